@@ -1,0 +1,40 @@
+"""The user-facing entry points: compile and explain."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ttftc.backend import TtftcBackend
+from ttftc.config import Config
+from ttftc.report import Report
+
+
+def compile(model: torch.nn.Module, config: Optional[Config] = None):  # noqa: A001  (mirrors torch.compile)
+    """`torch.compile(model, backend=ttftc.backend(config))`, with the argument checks a user deserves."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"ttftc.compile expects a torch.nn.Module (e.g. a transformers model), got {type(model).__name__}. "
+            "For a plain function use torch.compile(fn, backend='ttftc')."
+        )
+    return torch.compile(model, backend=TtftcBackend(config))
+
+
+def explain(model, *args, config: Optional[Config] = None, **kwargs) -> Report:
+    """Compile `model`, run it once on the given inputs under no_grad, and report what every pass did.
+
+    Resets Dynamo's caches first, so the report describes a fresh compile (and the recompile limit of an
+    earlier session of compiles cannot silently turn this one into eager).
+    """
+    if not callable(model):
+        raise TypeError(f"ttftc.explain expects a model or callable, got {type(model).__name__}")
+    backend = TtftcBackend(config)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        compiled(*args, **kwargs)
+    report = backend.report()
+    if not backend.reports:
+        report.notes.append("Dynamo handed ttftc no graph: nothing was compiled")
+    return report

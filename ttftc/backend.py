@@ -1,0 +1,111 @@
+"""The torch.compile backend: capture → passes → codegen → a boxed callable.
+
+`torch.compile(model, backend="ttftc")` finds `ttftc_backend` through the `torch_dynamo_backends` entry point
+with the default Config; `ttftc.backend(Config(...))` gives a configured one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc.*)
+from ttftc.capture import flat_inputs, freeze_weights
+from ttftc.codegen.lowering import lower_graph
+from ttftc.config import Config
+from ttftc.passes.graph_utils import op_histogram
+from ttftc.passes.manager import PassManager
+from ttftc.report import Report, graph_flops, make_report
+
+
+def _needs_autograd(example_inputs: Sequence) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+    )
+
+
+class TtftcBackend:
+    """A configured backend. Keeps one Report per graph it compiled."""
+
+    def __init__(self, config: Optional[Config] = None):
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"ttftc.backend expects a ttftc.Config, got {type(config).__name__}")
+        self.config = config or Config()
+        self.reports: list[Report] = []
+
+    def report(self) -> Report:
+        merged = Report()
+        for r in self.reports:
+            merged.merge(r)
+        return merged
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
+        if _needs_autograd(example_inputs):
+            # ttftc compiles inference graphs: freezing weights and fusing would drop gradients. Running
+            # Dynamo's graph as is keeps autograd exact.
+            warnings.warn(
+                "ttftc compiles for inference; this graph runs with grad enabled and trainable inputs, so it "
+                "runs uncompiled. Call the model under torch.no_grad() or torch.inference_mode() to use ttftc.",
+                stacklevel=2,
+            )
+            self.reports.append(Report(graphs=1, notes=["graph ran uncompiled: autograd was enabled"]))
+            return gm.forward
+        inputs = flat_inputs(gm, example_inputs)
+
+        def inference_compiler(aten_gm: fx.GraphModule, aot_inputs: Sequence) -> Callable:
+            return self._compile_aten(aten_gm, inputs, len(aot_inputs))
+
+        return aot_autograd(
+            fw_compiler=inference_compiler,
+            inference_compiler=inference_compiler,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    def _compile_aten(self, aten_gm: fx.GraphModule, inputs, num_aot_inputs: int) -> Callable:
+        # AOTAutograd calls us inside its FakeTensorMode; passes work on real weights (concatenate, quantize),
+        # so the fake mode is lifted here and re-entered only where meta values are computed.
+        with unset_fake_temporarily():
+            return self._compile_real(aten_gm, inputs, num_aot_inputs)
+
+    def _compile_real(self, aten_gm: fx.GraphModule, inputs, num_aot_inputs: int) -> Callable:
+        live, note = freeze_weights(aten_gm, inputs, num_aot_inputs)
+        notes = [note] if note else []
+        ops_before = op_histogram(aten_gm)
+        manager = PassManager(self.config)
+        stats = manager.run(aten_gm)
+        ops_after = op_histogram(aten_gm)
+        flops = graph_flops(aten_gm)
+        decisions = lower_graph(aten_gm, provider=self.config.provider)
+        self.reports.append(
+            make_report(stats, ops_before, ops_after, decisions, flops, {p.name: p.uuid() for p in manager.passes}, notes)
+        )
+        return _boxed(aten_gm, live)
+
+
+def _boxed(gm: fx.GraphModule, live: list[int]) -> Callable:
+    everything_live = live == list(range(len(live)))
+
+    def run(args: list):
+        # Boxed convention: we own `args` and clear it so inputs can be freed as early as possible.
+        picked = list(args) if everything_live and len(args) == len(live) else [args[i] for i in live]
+        args.clear()
+        return gm(*picked)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.graph_module = gm  # type: ignore[attr-defined]
+    return run
+
+
+def backend(config: Optional[Config] = None) -> TtftcBackend:
+    """A backend for `torch.compile(model, backend=ttftc.backend(Config(...)))`."""
+    return TtftcBackend(config)
+
+
+def ttftc_backend(gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
+    """The entry-point backend behind `backend="ttftc"`: the default Config."""
+    return TtftcBackend()(gm, example_inputs)

@@ -1,0 +1,1 @@
+"""CPU lowerings: the fastest ATen/oneDNN primitives measured on CPU."""

@@ -1,0 +1,1 @@
+"""Triton kernels: CUDA GPUs, Ascend through triton-ascend, and CPU tensors under TRITON_INTERPRET=1 (tests)."""

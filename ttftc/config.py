@@ -1,0 +1,120 @@
+"""The one configuration object of ttftc: frozen, validated, hashable.
+
+Its `digest()` joins every cache key (compile cache, AOT artifacts, autotune), so any field that changes the
+generated code must live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal, Union
+
+PRECISIONS = ("fp32", "bf16", "int8")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+PROVIDERS = ("auto", "reference", "triton", "cpu", "npu")
+OVERSIZE_POLICIES = ("error", "dynamic")
+
+Precision = Literal["fp32", "bf16", "int8"]
+
+
+def _choices(values) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Config:
+    """What to compile and how.
+
+    passes:     "all", or a tuple of pass names to run (in pipeline order, whatever order they are given in).
+    precision:  "fp32" keeps the model's numerics; "bf16" runs GEMMs and attention in bf16; "int8" is W8A8.
+    buckets:    prompt-length buckets for padding (None: no bucketing, shapes stay as Dynamo gives them).
+    device:     "auto" follows the example inputs.
+    provider:   "auto" picks the first capable lowering per op; any other value forces that provider wherever
+                it is capable and uses the torch reference elsewhere.
+    quant_skip: module-name fragments kept out of int8 (the lm_head by default: logits quality).
+    on_oversize: a prompt longer than the largest bucket either raises ("error") or runs unpadded ("dynamic").
+    """
+
+    passes: Union[str, tuple[str, ...]] = "all"
+    precision: Precision = "fp32"
+    buckets: tuple[int, ...] | None = None
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    provider: Literal["auto", "reference", "triton", "cpu", "npu"] = "auto"
+    quant_skip: tuple[str, ...] = ("lm_head",)
+    on_oversize: Literal["error", "dynamic"] = "error"
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and normalised to tuples so the Config stays hashable.
+        if isinstance(self.passes, list):
+            object.__setattr__(self, "passes", tuple(self.passes))
+        if isinstance(self.buckets, list):
+            object.__setattr__(self, "buckets", tuple(self.buckets))
+        if isinstance(self.quant_skip, list):
+            object.__setattr__(self, "quant_skip", tuple(self.quant_skip))
+        self._validate()
+
+    def _validate(self) -> None:
+        from ttftc.passes.registry import pass_names
+
+        known = pass_names()
+        if isinstance(self.passes, str):
+            if self.passes != "all":
+                raise ValueError(
+                    f"Config.passes={self.passes!r} is not valid: use 'all' or a tuple of pass names "
+                    f"from {_choices(known)}."
+                )
+        elif isinstance(self.passes, tuple):
+            for name in self.passes:
+                if name not in known:
+                    raise ValueError(f"Unknown pass {name!r} in Config.passes; valid passes: {_choices(known)}.")
+        else:
+            raise ValueError(f"Config.passes must be 'all' or a tuple of pass names, got {self.passes!r}.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Unknown precision {self.precision!r}; valid precisions: {_choices(PRECISIONS)}.")
+        if self.device not in DEVICES:
+            raise ValueError(f"Unknown device {self.device!r}; valid devices: {_choices(DEVICES)}.")
+        if self.provider not in PROVIDERS:
+            raise ValueError(f"Unknown provider {self.provider!r}; valid providers: {_choices(PROVIDERS)}.")
+        if self.on_oversize not in OVERSIZE_POLICIES:
+            raise ValueError(
+                f"Unknown on_oversize {self.on_oversize!r}; valid values: {_choices(OVERSIZE_POLICIES)}."
+            )
+        if not isinstance(self.quant_skip, tuple) or not all(isinstance(s, str) for s in self.quant_skip):
+            raise ValueError(f"Config.quant_skip must be a tuple of strings, got {self.quant_skip!r}.")
+        if self.buckets is not None:
+            buckets = self.buckets
+            if not isinstance(buckets, tuple) or not buckets:
+                raise ValueError(
+                    f"Config.buckets={buckets!r} is not valid: use None or a non-empty tuple of positive ints, "
+                    "e.g. (128, 256, 512)."
+                )
+            for b in buckets:
+                if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+                    raise ValueError(
+                        f"Bucket {b!r} in Config.buckets is not a positive int; use e.g. (128, 256, 512)."
+                    )
+            if list(buckets) != sorted(set(buckets)):
+                raise ValueError(
+                    f"Config.buckets={buckets!r} must be strictly increasing with no duplicates, "
+                    f"e.g. {tuple(sorted(set(buckets)))!r}."
+                )
+
+    def enabled_passes(self) -> tuple[str, ...]:
+        from ttftc.passes.registry import pass_names
+
+        if self.passes == "all":
+            return pass_names()
+        return tuple(n for n in pass_names() if n in self.passes)
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        payload = json.dumps(self.to_dict(), sort_keys=True, default=list)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]

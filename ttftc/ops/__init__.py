@@ -1,0 +1,6 @@
+"""The semantic ops: torch.ops.ttftc.*. Importing this package registers every op."""
+
+from ttftc.ops import attention, ffn, int8_linear, norm_linear  # noqa: F401  (registration side effect)
+from ttftc.ops.registry import OpDef, all_ops, get_op, op_name_of
+
+__all__ = ["OpDef", "all_ops", "get_op", "op_name_of"]
