@@ -99,6 +99,7 @@ def graph_flops(gm: fx.GraphModule) -> int:
 @dataclass
 class Report:
     pass_counts: dict[str, int] = field(default_factory=dict)
+    candidates: dict[str, int] = field(default_factory=dict)
     rejections: dict[str, list[str]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     ops_before: dict[str, int] = field(default_factory=dict)
@@ -116,6 +117,8 @@ class Report:
         """Fold another graph's report into this one (a model with graph breaks compiles several graphs)."""
         for name, n in other.pass_counts.items():
             self.pass_counts[name] = self.pass_counts.get(name, 0) + n
+        for name, n in other.candidates.items():
+            self.candidates[name] = self.candidates.get(name, 0) + n
         for name, reasons in other.rejections.items():
             self.rejections.setdefault(name, []).extend(reasons)
         self.errors.update(other.errors)
@@ -138,7 +141,14 @@ class Report:
         lines.append(f"{'pass':<14}{'matched':>8}{'rejected':>10}  first rejection reason")
         for name, n in self.pass_counts.items():
             reasons = self.rejections.get(name, [])
-            first = reasons[0] if reasons else ("ERROR: " + self.errors[name] if name in self.errors else "")
+            if name in self.errors:
+                first = "ERROR: " + self.errors[name]
+            elif reasons:
+                first = reasons[0]
+            elif self.candidates.get(name, 0) == 0:
+                first = "no candidate in the graph: nothing this pass knows"
+            else:
+                first = ""
             lines.append(f"{name:<14}{n:>8}{len(reasons):>10}  {_clip(first, 70)}")
         if not self.pass_counts:
             lines.append("(no passes enabled)")
@@ -192,6 +202,7 @@ def make_report(
     providers, fallbacks = providers_histogram(decisions)
     return Report(
         pass_counts={s.name: s.matched for s in stats},
+        candidates={s.name: s.candidates for s in stats},
         rejections={s.name: list(s.rejections) for s in stats},
         errors={s.name: s.error for s in stats if s.error},
         ops_before=ops_before,

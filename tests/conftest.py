@@ -1,0 +1,24 @@
+"""Shared test setup.
+
+Triton decides between compiling and interpreting when a kernel is decorated, so TRITON_INTERPRET must be set
+before any ttftc kernel module is imported: here, at collection time. On a machine without CUDA every Triton
+kernel then runs on CPU tensors through the interpreter.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Every test compiles models of the same classes; without a reset, Dynamo's per-code-object recompile
+    # limit would silently turn later compiles into eager runs.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -1,0 +1,123 @@
+"""The foundation's contract: the backend is reachable by name, matches eager, adds no graph breaks."""
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import ttftc
+from tests.helpers import assert_logits_match, compile_and_run, needs_transformers, zoo_cases
+from ttftc import zoo
+
+pytestmark = needs_transformers
+
+
+@pytest.mark.parametrize("family, attn", zoo_cases(tuple(zoo.FAMILIES)))
+def test_default_backend_matches_eager(family, attn):
+    model = zoo.build(family, attn)
+    ids = zoo.example_ids(model, 13)
+    actual, expected, report = compile_and_run(model, ids)
+    assert_logits_match(actual, expected)
+    assert report.graphs >= 1
+
+
+@pytest.mark.parametrize("family", zoo.CORE_FAMILIES)
+def test_no_passes_reproduces_eager_exactly(family):
+    model = zoo.build(family, "sdpa")
+    ids = zoo.example_ids(model, 9)
+    actual, expected, report = compile_and_run(model, ids, ttftc.Config(passes=()))
+    assert torch.equal(actual, expected)
+    assert report.pass_counts == {}
+    assert not any(op.startswith("ttftc.") for op in report.ops_after)
+
+
+def test_entry_point_works_in_a_fresh_interpreter():
+    """`backend="ttftc"` must resolve through the entry point in a process that never imports ttftc."""
+    script = textwrap.dedent(
+        """
+        import torch, transformers
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).eval()
+        ids = torch.randint(0, 128, (1, 7))
+        with torch.no_grad():
+            expected = model(ids).logits
+            actual = torch.compile(model, backend="ttftc")(ids).logits
+        assert (actual - expected).abs().max().item() <= 1e-4 * max(1.0, expected.abs().max().item())
+        import sys
+        assert "ttftc" in sys.modules, "the backend did not come from ttftc"
+        print("OK")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("OK")
+
+
+class _GraphCounter:
+    def __init__(self, inner):
+        self.inner, self.graphs = inner, 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
+@pytest.mark.parametrize("family", zoo.CORE_FAMILIES)
+def test_backend_adds_no_graph_breaks(family):
+    model = zoo.build(family, "eager")
+    ids = zoo.example_ids(model, 8)
+    counts = []
+    for inner in ("eager", ttftc.backend()):
+        torch._dynamo.reset()
+        counter = _GraphCounter(torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner)
+        with torch.no_grad():
+            torch.compile(model, backend=counter)(ids)
+        counts.append(counter.graphs)
+    assert counts[0] == counts[1]
+
+
+def test_compile_rejects_non_modules_with_a_clear_type_error():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        ttftc.compile(lambda x: x)
+    with pytest.raises(TypeError, match="ttftc.Config"):
+        ttftc.backend({"precision": "bf16"})
+
+
+def test_compile_returns_a_working_module():
+    model = zoo.build("llama", "sdpa")
+    ids = zoo.example_ids(model, 6)
+    compiled = ttftc.compile(model, ttftc.Config())
+    with torch.no_grad():
+        assert_logits_match(compiled(ids).logits, model(ids).logits)
+
+
+def test_grad_enabled_graph_runs_uncompiled_with_a_warning():
+    model = zoo.build("llama", "sdpa")
+    ids = zoo.example_ids(model, 6)
+    backend = ttftc.backend()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend=backend)(ids).logits
+    assert out.requires_grad, "autograd must be preserved when it was asked for"
+    assert any("torch.no_grad" in str(w.message) for w in caught)
+    assert any("uncompiled" in note for note in backend.report().notes)
+
+
+def test_plain_module_with_nothing_to_fuse_runs_unchanged_and_says_why():
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3), torch.nn.Tanh()).eval()
+    x = torch.randn(2, 4, 10)
+    report = ttftc.explain(model, x)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="ttftc")(x)
+        assert torch.equal(compiled, model(x))
+    assert all(n == 0 for n in report.pass_counts.values())
+    text = str(report)
+    for name in report.pass_counts:
+        assert name in text
+    if report.pass_counts:
+        assert "no candidate" in text or any(report.rejections.values())

@@ -1,0 +1,64 @@
+import pytest
+
+import ttftc
+from ttftc.config import DEVICES, PRECISIONS, PROVIDERS
+
+
+def test_default_config_is_frozen_and_hashable():
+    cfg = ttftc.Config()
+    assert hash(cfg) == hash(ttftc.Config())
+    assert cfg.digest() == ttftc.Config().digest()
+    with pytest.raises(Exception):
+        cfg.precision = "bf16"  # type: ignore[misc]
+
+
+def test_digest_changes_with_every_field():
+    base = ttftc.Config()
+    variants = [
+        base.replace(precision="bf16"),
+        base.replace(buckets=(128, 256)),
+        base.replace(device="cpu"),
+        base.replace(provider="reference"),
+        base.replace(passes=()),
+        base.replace(quant_skip=()),
+        base.replace(on_oversize="dynamic"),
+    ]
+    digests = {v.digest() for v in variants} | {base.digest()}
+    assert len(digests) == len(variants) + 1
+
+
+def test_lists_are_normalised_to_tuples():
+    cfg = ttftc.Config(passes=[], buckets=[16, 32])
+    assert cfg.passes == () and cfg.buckets == (16, 32)
+    hash(cfg)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragments",
+    [
+        (dict(precision="fp8"), ["'fp8'", *PRECISIONS]),
+        (dict(device="tpu"), ["'tpu'", *DEVICES]),
+        (dict(provider="cutlass"), ["'cutlass'", *PROVIDERS]),
+        (dict(passes=("no_such_pass",)), ["'no_such_pass'", "valid passes"]),
+        (dict(passes="some"), ["'some'", "'all'"]),
+        (dict(buckets=(256, 128)), ["(256, 128)", "increasing"]),
+        (dict(buckets=(0, 128)), ["0", "positive"]),
+        (dict(buckets=()), ["()", "non-empty"]),
+        (dict(buckets=(16, "32")), ["'32'", "positive int"]),
+        (dict(on_oversize="pad"), ["'pad'", "'error'", "'dynamic'"]),
+    ],
+)
+def test_invalid_values_name_the_value_and_the_valid_ones(kwargs, fragments):
+    with pytest.raises(ValueError) as info:
+        ttftc.Config(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_enabled_passes_follow_pipeline_order():
+    from ttftc.passes.registry import pass_names
+
+    names = pass_names()
+    cfg = ttftc.Config(passes=tuple(reversed(names)))
+    assert cfg.enabled_passes() == names
+    assert ttftc.Config(passes=()).enabled_passes() == ()
