@@ -37,6 +37,7 @@ class TtftcBackend:
             raise TypeError(f"ttftc.backend expects a ttftc.Config, got {type(config).__name__}")
         self.config = config or Config()
         self.reports: list[Report] = []
+        self.graph_modules: list[fx.GraphModule] = []  # the lowered graphs, for autotune and inspection
 
     def report(self) -> Report:
         merged = Report()
@@ -84,6 +85,7 @@ class TtftcBackend:
         self.reports.append(
             make_report(stats, ops_before, ops_after, decisions, flops, {p.name: p.uuid() for p in manager.passes}, notes)
         )
+        self.graph_modules.append(aten_gm)
         return _boxed(aten_gm, live)
 
 
@@ -98,6 +100,7 @@ def _boxed(gm: fx.GraphModule, live: list[int]) -> Callable:
 
     run._boxed_call = True  # type: ignore[attr-defined]
     run.graph_module = gm  # type: ignore[attr-defined]
+    run.live_inputs = tuple(live)  # type: ignore[attr-defined]  (which flat inputs the graph reads)
     return run
 
 

@@ -134,6 +134,21 @@ def choose(op: str, ctx: LoweringContext, args, kwargs) -> tuple[Optional[Loweri
     return None, skipped
 
 
+def _tuned_config(op: str, provider: str, node: fx.Node) -> Optional[dict]:
+    """The autotuned config for this op instance from the persistent cache, if `ttftc autotune` stored one."""
+    from ttftc.autotune.cache import AutotuneCache
+    from ttftc.autotune.keys import key_for
+    from ttftc.autotune.space import Problem, space_for
+
+    if space_for(op, provider) is None:
+        return None
+    args, kwargs = _meta(node.args), _meta(node.kwargs)
+    if not Problem.is_static(args, kwargs):
+        return None
+    entry = AutotuneCache().lookup(key_for(Problem.from_meta(op, provider, args, kwargs), _node_device_type(node)))
+    return entry.config if entry is not None else None
+
+
 def lower_graph(gm: fx.GraphModule, *, provider: str) -> list[LoweringDecision]:
     """Swap each ttftc op node's target for its chosen provider's implementation, in place.
 
@@ -157,6 +172,10 @@ def lower_graph(gm: fx.GraphModule, *, provider: str) -> list[LoweringDecision]:
         if chosen is None:
             decisions.append(LoweringDecision(node.name, op, REFERENCE, skipped))
             continue
+        node.meta["ttftc_op"] = op
+        tuned = _tuned_config(op, chosen.provider, node)
+        if tuned is not None:
+            node.kwargs = {**node.kwargs, "tuning_config": tuned}
         if chosen.prepare is not None:
             try:
                 chosen.prepare(gm, node)

@@ -1,0 +1,163 @@
+"""The persistent autotune cache: one small JSON file per tuned problem, in a directory.
+
+Keyed by device name, op, shape signature, dtype and provider; versions of ttftc, torch and triton are stored
+in each entry and checked on read, so a stale entry (another version) is ignored instead of trusted. Writes go
+to a temporary file in the same directory and are renamed into place, so a reader never sees half a file and
+concurrent writers cannot interleave bytes (the last rename wins, whole). A corrupt or stale entry is skipped
+with one warning per cache and never raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+SCHEMA = 1
+DIR_ENV = "TTFTC_AUTOTUNE_CACHE"  # the autotune directory itself
+ROOT_ENV = "TTFTC_CACHE_DIR"  # ttftc's cache root; autotune/ below it
+
+
+def default_cache_dir() -> Path:
+    """Where compiles look for tuned configs: $TTFTC_AUTOTUNE_CACHE, else $TTFTC_CACHE_DIR/autotune, else
+    ~/.cache/ttftc/autotune."""
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV])
+    root = os.environ.get(ROOT_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "ttftc")
+    return Path(root) / "autotune"
+
+
+def current_versions() -> dict[str, str]:
+    import torch
+
+    import ttftc
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = "none"
+    return {"ttftc": ttftc.__version__, "torch": torch.__version__, "triton": triton_version}
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    device: str  # e.g. "cpu:Intel(R) Xeon(R) ...:2 threads" or "cuda:NVIDIA H100"
+    op: str
+    provider: str
+    shapes: str  # a canonical signature of argument shapes and scalar options
+    dtype: str
+
+    def digest(self) -> str:
+        payload = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class TuneEntry:
+    key: TuneKey
+    config: dict[str, Any]
+    tuned_ms: float
+    default_ms: float
+    versions: dict[str, str]
+    created: float
+
+
+class AutotuneCache:
+    def __init__(self, directory: Optional[os.PathLike] = None):
+        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self._warned = False
+
+    # -- reading --------------------------------------------------------------------------------------------
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            warnings.warn(f"ttftc autotune cache {self.directory}: {message}; ignoring it (retune to refresh)")
+            self._warned = True
+
+    def _read(self, path: Path) -> Optional[TuneEntry]:
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("schema") != SCHEMA:
+                raise ValueError(f"schema {raw.get('schema')!r}, expected {SCHEMA}")
+            entry = TuneEntry(
+                key=TuneKey(**raw["key"]),
+                config=dict(raw["config"]),
+                tuned_ms=float(raw["tuned_ms"]),
+                default_ms=float(raw["default_ms"]),
+                versions=dict(raw["versions"]),
+                created=float(raw["created"]),
+            )
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # truncated, hand-edited, or from an incompatible release
+            self._warn_once(f"corrupt entry {path.name} ({type(exc).__name__}: {exc})")
+            return None
+        if entry.key.digest() != path.stem:
+            self._warn_once(f"entry {path.name} does not match its own key")
+            return None
+        return entry
+
+    def lookup(self, key: TuneKey) -> Optional[TuneEntry]:
+        entry = self._read(self.directory / f"{key.digest()}.json")
+        if entry is None:
+            return None
+        if entry.versions != current_versions():
+            self._warn_once(f"stale entry for {key.op} (tuned with {entry.versions}, running {current_versions()})")
+            return None
+        return entry
+
+    def entries(self) -> Iterator[TuneEntry]:
+        if not self.directory.is_dir():
+            return
+        for path in sorted(self.directory.glob("*.json")):
+            entry = self._read(path)
+            if entry is not None:
+                yield entry
+
+    # -- writing --------------------------------------------------------------------------------------------
+    def check_writable(self) -> None:
+        """Raise a clear error now rather than after minutes of tuning."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".probe-"):
+                pass
+        except OSError as exc:
+            raise PermissionError(
+                f"autotune cache directory {self.directory} is not writable ({exc.strerror or exc}); "
+                f"pass a writable --cache DIR or set {DIR_ENV}"
+            ) from None
+
+    def store(self, key: TuneKey, config: dict[str, Any], tuned_ms: float, default_ms: float) -> TuneEntry:
+        entry = TuneEntry(key, dict(config), tuned_ms, default_ms, current_versions(), time.time())
+        payload = {
+            "schema": SCHEMA,
+            "key": dataclasses.asdict(key),
+            "config": entry.config,
+            "tuned_ms": tuned_ms,
+            "default_ms": default_ms,
+            "versions": entry.versions,
+            "created": entry.created,
+        }
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key.digest()}-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(payload, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.directory / f"{key.digest()}.json")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return entry
+

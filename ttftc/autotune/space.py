@@ -1,0 +1,133 @@
+"""Search spaces: for an (op, provider) pair, the knobs a lowering exposes and the constraints that prune them.
+
+A lowering that has knobs registers a SearchSpace next to its kernel, and accepts a `tuning_config` keyword (a
+dict, or None for its defaults). The tuner times candidates; codegen passes the cached winner at compile time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+Config = dict[str, Any]
+# A constraint returns None when a candidate is allowed for the problem, else why it is pruned.
+Constraint = Callable[[Config, "Problem"], Optional[str]]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        return "x".join(map(str, self.shape)) + ":" + str(self.dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One op instance's concrete shapes and options, as the tuner and the cache see it."""
+
+    op: str
+    provider: str
+    args: tuple
+    kwargs: tuple[tuple[str, Any], ...]
+
+    @staticmethod
+    def is_static(args, kwargs: dict) -> bool:
+        """False when a shape is symbolic: such a graph serves many sizes and has no single tuned config."""
+        values = list(args) + list(kwargs.values())
+        return not any(
+            isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape))
+            for v in values
+        )
+
+    @staticmethod
+    def from_meta(op: str, provider: str, args, kwargs: dict) -> "Problem":
+        def spec(a):
+            if isinstance(a, torch.Tensor):
+                return TensorSpec(tuple(int(s) for s in a.shape), a.dtype)
+            if isinstance(a, torch.SymInt):
+                return int(a)
+            return a
+
+        return Problem(op, provider, tuple(spec(a) for a in args), tuple(sorted((k, spec(v)) for k, v in kwargs.items())))
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+    def tensors(self) -> list[TensorSpec]:
+        return [a for a in self.args if isinstance(a, TensorSpec)]
+
+    def signature(self) -> str:
+        def show(a):
+            return a.describe() if isinstance(a, TensorSpec) else repr(a)
+
+        parts = [show(a) for a in self.args] + [f"{k}={show(v)}" for k, v in self.kwargs]
+        return ",".join(parts)
+
+    def dtype(self) -> str:
+        tensors = self.tensors()
+        return str(tensors[0].dtype).replace("torch.", "") if tensors else "none"
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    op: str
+    provider: str
+    axes: dict[str, tuple]  # knob -> values to try
+    default: Callable[[Problem], Config]
+    constraints: tuple[Constraint, ...] = ()
+    # Builds real inputs for timing; defaults to random tensors of the problem's shapes.
+    make_inputs: Optional[Callable[[Problem, str], tuple[tuple, dict]]] = None
+    notes: str = ""
+
+    def grid(self) -> list[Config]:
+        names = list(self.axes)
+        return [dict(zip(names, values)) for values in itertools.product(*(self.axes[n] for n in names))]
+
+    def candidates(self, problem: Problem) -> tuple[list[Config], list[tuple[Config, str]]]:
+        """(allowed candidates, [(pruned candidate, reason)]), the default always first among the allowed."""
+        allowed, pruned = [], []
+        default = self.default(problem)
+        for config in [default] + [c for c in self.grid() if c != default]:
+            reason = next((r for r in (rule(config, problem) for rule in self.constraints) if r), None)
+            if reason is None:
+                allowed.append(config)
+            else:
+                pruned.append((config, reason))
+        return allowed, pruned
+
+
+_SPACES: dict[tuple[str, str], SearchSpace] = {}
+
+
+def register_space(space: SearchSpace) -> SearchSpace:
+    _SPACES[(space.op, space.provider)] = space
+    return space
+
+
+def space_for(op: str, provider: str) -> Optional[SearchSpace]:
+    return _SPACES.get((op, provider))
+
+
+def all_spaces() -> dict[tuple[str, str], SearchSpace]:
+    return dict(_SPACES)
+
+
+def random_inputs(problem: Problem, device: str) -> tuple[tuple, dict]:
+    """Random tensors with the problem's shapes; integer tensors get small non-negative values."""
+    generator = torch.Generator().manual_seed(0)
+
+    def make(a):
+        if not isinstance(a, TensorSpec):
+            return a
+        if a.dtype.is_floating_point:
+            return (torch.randn(a.shape, generator=generator) * 0.5).to(device=device, dtype=a.dtype)
+        return torch.randint(0, 8, a.shape, generator=generator).to(device=device, dtype=a.dtype)
+
+    return tuple(make(a) for a in problem.args), {k: make(v) for k, v in problem.kwargs}
+
