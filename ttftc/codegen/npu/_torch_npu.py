@@ -19,3 +19,20 @@ def load() -> Optional[ModuleType]:
 
 def unavailable_reason() -> Optional[str]:
     return None if load() is not None else "torch_npu is not importable"
+
+
+def unsupported_device_reason(ctx) -> Optional[str]:
+    """For an NPU lowering's capability check: None when `ctx`'s tensors can go to torch_npu, else why not.
+
+    NPU tensors need a real torch_npu. CPU tensors are accepted only when provider="npu" is forced and the
+    loaded module is the test suite's recording stand-in (it sets `ttftc_cpu_standin`): that is how CI runs
+    whole models through the NPU lowerings without an NPU, like Triton's interpreter for the Triton ones.
+    """
+    module = load()
+    if module is None:
+        return "torch_npu is not importable"
+    if ctx.device_type == "npu":
+        return None
+    if ctx.device_type == "cpu" and ctx.forced_provider == "npu" and getattr(module, "ttftc_cpu_standin", False):
+        return None
+    return f"tensors are on {ctx.device_type}, not npu"

@@ -1,0 +1,102 @@
+"""The CPU lowering (ATen's flash kernel, with the op's offset/window/kv_len rewritten onto it) vs the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ttftc
+from ttftc import zoo
+from ttftc.codegen.cpu import attention as cpu_attention
+from ttftc.codegen.cpu.attention import _unsupported_reason, attention_cpu
+from ttftc.codegen.lowering import LoweringContext
+from ttftc.ops.attention import attention
+from tests.helpers import TOLERANCES, assert_logits_match, compile_and_run, needs_transformers
+
+FP32_TOL = (1e-5, 1e-5)
+
+
+@pytest.fixture(params=["one-masked-call", "memory-bounded"])
+def path(request, monkeypatch):
+    """Offset and window cases take an explicit mask when small, else the rewrites; test cases are small, so the
+    memory-bounded rewrites are forced by lowering the size threshold to 0."""
+    if request.param == "memory-bounded":
+        monkeypatch.setattr(cpu_attention, "_SMALL_MASK_ENTRIES", 0)
+    return request.param
+
+
+def _check(b, hq, hkv, sq, skv, d=16, *, causal, q_offset=0, window=0, dtype=torch.float32, kv_len=None):
+    gen = torch.Generator().manual_seed(sq * 7 + skv)
+    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
+    params = dict(causal=causal, scale=d ** -0.5, q_offset=q_offset, window=window)
+    out = attention_cpu(q, k, v, kv_len, **params)
+    expected = attention.reference(q.float(), k.float(), v.float(), kv_len, **params)
+    atol, rtol = FP32_TOL if dtype == torch.float32 else TOLERANCES[dtype]
+    assert out.dtype == dtype and out.shape == (b, hq, sq, d)
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("length", [1, 17, 127, 300])
+@pytest.mark.parametrize("causal", [True, False])
+def test_plain_attention(length, causal):
+    _check(1, 4, 2, length, length, causal=causal)
+
+
+@pytest.mark.parametrize("sq,skv,q_offset", [(17, 40, 23), (9, 30, 4), (1, 50, 49), (8, 8, 20)])
+def test_causal_offset(path, sq, skv, q_offset):
+    _check(1, 4, 1, sq, skv, causal=True, q_offset=q_offset)
+
+
+@pytest.mark.parametrize("window,q_offset", [(1, 0), (7, 0), (300, 0), (5, 10), (600, 0)])
+def test_sliding_window(path, window, q_offset):
+    _check(1, 2, 2, 300 - q_offset, 300, causal=True, q_offset=q_offset, window=window)
+
+
+def test_per_sequence_kv_len_including_empty(path):
+    _check(3, 2, 1, 33, 40, causal=True, q_offset=7, kv_len=torch.tensor([40, 12, 0]))
+    _check(2, 2, 2, 20, 20, causal=False, kv_len=torch.tensor([3, 20]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes(path, dtype):
+    _check(1, 4, 4, 65, 65, 32, causal=True, dtype=dtype)
+    _check(1, 4, 1, 20, 50, 32, causal=True, q_offset=30, dtype=dtype)
+
+
+def test_capability():
+    cpu = LoweringContext(device_type="cpu", forced_provider=None)
+    q = torch.empty(1, 2, 8, 16, device="meta")
+    ok = dict(causal=True, scale=0.25)
+    assert _unsupported_reason(cpu, q, q, q, **ok) is None
+    assert _unsupported_reason(LoweringContext("cuda", None), q, q, q, **ok) is not None
+    assert "dtypes differ" in _unsupported_reason(cpu, q, q.half(), q, **ok)
+    assert "head dim" in _unsupported_reason(cpu, q, q, torch.empty(1, 2, 8, 32, device="meta"), **ok)
+    assert "fp32/fp16/bf16" in _unsupported_reason(cpu, q.double(), q.double(), q.double(), **ok)
+
+
+@needs_transformers
+@pytest.mark.parametrize("family,attn", [("qwen2", "eager"), ("mistral", "sdpa"), ("gpt2", "eager")])
+def test_whole_zoo_model_uses_the_cpu_lowering(family, attn):
+    model = zoo.build(family, attn)
+    ids = zoo.example_ids(model, 10)
+    actual, expected, report = compile_and_run(model, ids, ttftc.Config(passes=("attention",)))
+    assert report.providers["attention"] == {"cpu": model.config.num_hidden_layers}
+    assert_logits_match(actual, expected)
+
+
+@pytest.mark.slow
+def test_no_quadratic_memory_at_4096_tokens():
+    """No op of the lowering allocates anything near one Sq x Skv score matrix, for any of its paths."""
+    sq, heads, d = 4096, 4, 64
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, sq, d, generator=gen) for _ in range(3))
+    one_head_scores = sq * sq * 4  # a single fp32 [Sq, Skv] matrix: 64 MiB
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        attention_cpu(q, k, v, causal=True, scale=d ** -0.5)  # plain causal
+        attention_cpu(q[:, :, 1024:], k, v, causal=True, scale=d ** -0.5, q_offset=1024)  # chunked prefill
+        attention_cpu(q, k, v, causal=True, scale=d ** -0.5, window=512)  # sliding window
+    # Per call: the bytes one op allocated itself (a 64 MiB score matrix would show up here).
+    biggest = max(prof.events(), key=lambda e: e.cpu_memory_usage)
+    assert biggest.cpu_memory_usage < one_head_scores / 4, (biggest.name, biggest.cpu_memory_usage)

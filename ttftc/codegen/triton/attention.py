@@ -1,0 +1,260 @@
+"""ttftc.attention as a Triton FlashAttention-2 forward kernel.
+
+One program owns BLOCK_M query rows of one (batch, query head): the Q tile stays resident while K/V tiles stream
+past it, with the online softmax in base 2 (scores pre-multiplied by scale * log2(e), so exp2 replaces exp).
+Per program the key tiles fall into three ranges, walked in order:
+  1. tiles the sliding window only partly covers (masked),
+  2. tiles every row of the block fully sees (no mask work at all),
+  3. the tiles crossing the causal diagonal or the kv_len end (masked);
+tiles entirely above the diagonal or below the window are never visited (causal tile skipping).
+
+GQA maps query head h to KV head h // (Hq / Hkv) when computing the K/V pointers; nothing is repeated.
+`q_offset` puts query row i at absolute position q_offset + i (bottom-right alignment when q_offset = Skv - Sq);
+`kv_len[b]` ends sequence b's keys early (padded buckets). Head dims that are not a power of two (80, 96, and
+16/32-padded small ones) are padded to the next power of two with masked loads.
+
+Tuning: `candidate_configs()` lists the (BLOCK_M, BLOCK_N, num_warps, num_stages) space as data and
+`launch(..., config=...)` runs any of them, so an autotuner can search without touching the kernel.
+
+The Triton interpreter (TRITON_INTERPRET=1, how CI runs this on CPU) cannot do bf16 arithmetic, so there every
+tile is cast to fp32 right after loading (UPCAST).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ttftc.codegen.lowering import register_lowering
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # ttftc must import without triton; the lowering then reports itself incapable
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[AttentionConfig]:
+    """The search space for an autotuner (FA2 tutorial ranges, pruned for register/SMEM pressure)."""
+    padded = padded_head_dim(head_dim)
+    configs = []
+    for block_m in (64, 128):
+        for block_n in (32, 64, 128):
+            if padded >= 128 and block_m * block_n > 128 * 64:
+                continue  # a 128-wide head with 128x128 tiles spills on most GPUs
+            if dtype == torch.float32 and block_n > 64:
+                continue  # fp32 tiles are twice the bytes
+            for num_warps in (4, 8):
+                for num_stages in (2, 3, 4):
+                    configs.append(AttentionConfig(block_m, block_n, num_warps, num_stages))
+    return configs
+
+
+def default_config(head_dim: int, dtype: torch.dtype, device_type: str) -> AttentionConfig:
+    if device_type == "cpu":  # the interpreter: few, small programs keep numpy overhead low
+        return AttentionConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    padded = padded_head_dim(head_dim)
+    if padded >= 128:
+        return AttentionConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
+    return AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    # tl.dot needs every dimension >= 16 and tiles are powers of two.
+    return max(16, 1 << (int(head_dim) - 1).bit_length())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tile(
+        acc, m_i, l_i, q,
+        k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m_pos, offs_d, start_n, kv_end,
+        qk_scale, window,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        d_ok = offs_d < HEAD_DIM
+        n_ok = offs_n < kv_end
+        k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                    mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:  # fp32 inputs: full-precision products, not TF32
+            qk = tl.dot(q, k, input_precision="ieee") * qk_scale
+        else:
+            qk = tl.dot(q, k) * qk_scale
+        if MASKED:
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m_pos[:, None])
+                if HAS_WINDOW:
+                    visible = visible & (offs_n[None, :] > offs_m_pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf = nan.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _attention_fwd(
+        Q, K, V, Out, KVLen,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_ob, stride_oh, stride_om, stride_od,
+        num_heads, group, q_len, kv_len_max, q_offset, window, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KV_LEN: tl.constexpr, UPCAST: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // num_heads
+        h = pid_bh % num_heads
+        kv_h = h // group
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_m_pos = offs_m + q_offset
+        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        q_mask = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = K + b * stride_kb + kv_h * stride_kh
+        v_base = V + b * stride_vb + kv_h * stride_vh
+
+        kv_end = kv_len_max
+        if HAS_KV_LEN:
+            kv_end = tl.minimum(tl.load(KVLen + b).to(tl.int32), kv_len_max)
+
+        first_pos = pid_m * BLOCK_M + q_offset
+        last_pos = first_pos + BLOCK_M - 1
+        # Key range any row of this block can see, and the part of it every row sees entirely.
+        hi = kv_end
+        full_hi = kv_end
+        lo = 0
+        full_lo = 0
+        if CAUSAL:
+            hi = tl.minimum(hi, last_pos + 1)
+            full_hi = tl.minimum(full_hi, first_pos + 1)
+            if HAS_WINDOW:
+                lo = tl.maximum(0, first_pos - window + 1)
+                full_lo = tl.maximum(0, last_pos - window + 1)
+        hi = tl.maximum(hi, 0)
+        # Tile-aligned boundaries: [lo_t, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked.
+        lo_t = (lo // BLOCK_N) * BLOCK_N
+        mid_lo = tl.minimum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi)
+        mid_hi = tl.maximum((full_hi // BLOCK_N) * BLOCK_N, mid_lo)
+        mid_hi = tl.minimum(mid_hi, hi)
+        mid_lo = tl.maximum(mid_lo, lo_t)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start_n in range(lo_t, mid_lo, BLOCK_N):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                  offs_m_pos, offs_d, start_n, kv_end, qk_scale, window,
+                                  HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, UPCAST, IEEE)
+        for start_n in range(mid_lo, mid_hi, BLOCK_N):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                  offs_m_pos, offs_d, start_n, kv_end, qk_scale, window,
+                                  HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_WINDOW, UPCAST, IEEE)
+        for start_n in range(mid_hi, hi, BLOCK_N):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                  offs_m_pos, offs_d, start_n, kv_end, qk_scale, window,
+                                  HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, UPCAST, IEEE)
+
+        # Rows that saw no key have l = 0 and acc = 0: the contract's zeros.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+def launch(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, config: Optional[AttentionConfig] = None):
+    """Run the kernel with an explicit config (the autotuner's entry point)."""
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    out = torch.empty((b, hq, sq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    config = config or default_config(d, q.dtype, q.device.type)
+    interpreting = q.device.type == "cpu"
+    grid = (triton.cdiv(sq, config.block_m), b * hq)
+    has_kv_len = kv_len is not None
+    _attention_fwd[grid](
+        q, k, v, out, kv_len if has_kv_len else q,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        hq, hq // hkv, sq, skv, int(q_offset), int(window), float(scale) * _LOG2E,
+        HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and int(window) > 0, HAS_KV_LEN=has_kv_len,
+        UPCAST=interpreting or q.dtype == torch.float32, IEEE=q.dtype == torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def _unsupported_reason(ctx, q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0) -> Optional[str]:
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if ctx.device_type == "cpu":
+        if not (ctx.forced_provider == "triton" and ctx.triton_interpret):
+            return "cpu tensors run Triton only under TRITON_INTERPRET=1 with provider='triton'"
+    elif ctx.device_type != "cuda":
+        return f"no Triton attention kernel for {ctx.device_type}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v are not 4-D"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} are not one of fp32/fp16/bf16"
+    d = q.shape[-1]
+    if not isinstance(d, int) or not isinstance(v.shape[-1], int):
+        return "head dim is not static"
+    if k.shape[-1] != d or v.shape[-1] != d:
+        return "q, k and v head dims differ"
+    if d > MAX_HEAD_DIM or d < 1:
+        return f"head dim {d} is outside 1..{MAX_HEAD_DIM}"
+    if kv_len is not None and (kv_len.dtype.is_floating_point or kv_len.dim() != 1):
+        return "kv_len is not a 1-D integer tensor"
+    if int(q_offset) < 0 or int(window) < 0:
+        return "negative q_offset or window"
+    if not math.isfinite(float(scale)):
+        return "scale is not finite"
+    return None
+
+
+@register_lowering("attention", "triton", unsupported_reason=_unsupported_reason, priority=20)
+def attention_triton(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0):
+    return launch(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window)
