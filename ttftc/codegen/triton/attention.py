@@ -22,12 +22,16 @@ tile is cast to fp32 right after loading (UPCAST).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ttftc.autotune.space import Problem, SearchSpace, register_space
 from ttftc.codegen.lowering import register_lowering
 
 try:
@@ -53,20 +57,60 @@ class AttentionConfig:
     num_stages: int
 
 
-def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[AttentionConfig]:
-    """The search space for an autotuner (FA2 tutorial ranges, pruned for register/SMEM pressure)."""
-    padded = padded_head_dim(head_dim)
+# The knobs an autotuner searches, and the rules that prune them (see `attention_space`).
+TUNING_AXES = {
+    "block_m": (16, 32, 64, 128),
+    "block_n": (16, 32, 64, 128),
+    "num_warps": (4, 8),
+    "num_stages": (1, 2, 3, 4),
+}
+# Shared memory assumed when the device cannot be asked (consumer GPUs have ~100 KB per block).
+_DEFAULT_SMEM_BYTES = 100 * 1024
+
+
+def _spills_registers(config: dict, head_dim: int, dtype: torch.dtype) -> Optional[str]:
+    if padded_head_dim(head_dim) >= 128 and config["block_m"] * config["block_n"] > 128 * 64:
+        return "a 128-wide head with tiles over 128x64 spills registers"
+    if dtype == torch.float32 and config["block_n"] > 64:
+        return "fp32 key tiles over 64 wide are twice the bytes"
+    return None
+
+
+def _shared_memory_bytes(config: dict, head_dim: int, dtype: torch.dtype) -> int:
+    # Q tile resident, K and V tiles buffered num_stages deep.
+    item = torch.tensor([], dtype=dtype).element_size()
+    return (config["block_m"] + 2 * config["block_n"] * config["num_stages"]) * padded_head_dim(head_dim) * item
+
+
+def candidate_configs(head_dim: int, dtype: torch.dtype, q_len: Optional[int] = None,
+                      smem_bytes: int = _DEFAULT_SMEM_BYTES) -> list[AttentionConfig]:
+    """The pruned search space, as kernel configs (FA2 tutorial ranges)."""
+    names = list(TUNING_AXES)
     configs = []
-    for block_m in (64, 128):
-        for block_n in (32, 64, 128):
-            if padded >= 128 and block_m * block_n > 128 * 64:
-                continue  # a 128-wide head with 128x128 tiles spills on most GPUs
-            if dtype == torch.float32 and block_n > 64:
-                continue  # fp32 tiles are twice the bytes
-            for num_warps in (4, 8):
-                for num_stages in (2, 3, 4):
-                    configs.append(AttentionConfig(block_m, block_n, num_warps, num_stages))
+    for values in itertools.product(*(TUNING_AXES[n] for n in names)):
+        config = dict(zip(names, values))
+        if _prune_reason(config, head_dim, dtype, q_len, smem_bytes) is None:
+            configs.append(AttentionConfig(**config))
     return configs
+
+
+def _prune_reason(config: dict, head_dim: int, dtype: torch.dtype, q_len: Optional[int],
+                  smem_bytes: int) -> Optional[str]:
+    reason = _spills_registers(config, head_dim, dtype)
+    if reason:
+        return reason
+    if config["block_n"] > max(16, padded_head_dim(head_dim)) and config["block_n"] > 64:
+        return "BLOCK_N above the head dim and 64"
+    if q_len is not None and config["block_m"] > max(16, triton_next_pow2(q_len)):
+        return f"BLOCK_M {config['block_m']} is larger than the {q_len}-row prompt"
+    need = _shared_memory_bytes(config, head_dim, dtype)
+    if need > smem_bytes:
+        return f"needs {need // 1024} KB of shared memory, the device has {smem_bytes // 1024} KB"
+    return None
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def default_config(head_dim: int, dtype: torch.dtype, device_type: str) -> AttentionConfig:
@@ -256,5 +300,28 @@ def _unsupported_reason(ctx, q, k, v, kv_len=None, *, causal, scale, q_offset=0,
 
 
 @register_lowering("attention", "triton", unsupported_reason=_unsupported_reason, priority=20)
-def attention_triton(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0):
-    return launch(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window)
+def attention_triton(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, tuning_config=None):
+    config = AttentionConfig(**tuning_config) if tuning_config else None
+    return launch(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window, config=config)
+
+
+def _smem_bytes() -> int:
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(getattr(props, "shared_memory_per_block_optin", 0) or _DEFAULT_SMEM_BYTES)
+    return _DEFAULT_SMEM_BYTES
+
+
+def _space_rule(config: dict, problem: Problem) -> Optional[str]:
+    q = problem.args[0]
+    return _prune_reason(config, q.shape[-1], q.dtype, q.shape[2], _smem_bytes())
+
+
+def _space_default(problem: Problem) -> dict:
+    q = problem.args[0]
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    return dataclasses.asdict(default_config(q.shape[-1], q.dtype, device))
+
+
+register_space(SearchSpace("attention", "triton", axes=TUNING_AXES, default=_space_default,
+                           constraints=(_space_rule,)))

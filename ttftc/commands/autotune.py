@@ -1,0 +1,82 @@
+"""`ttftc autotune MODEL`: tune every ttftc kernel the model compiles to, per bucket, into a persistent cache.
+
+    ttftc autotune llama-135m --buckets 512,2048 --budget-s 300 --cache DIR
+    ttftc autotune --show [--cache DIR]
+
+Later compiles read the cache automatically ($TTFTC_AUTOTUNE_CACHE, default ~/.cache/ttftc/autotune).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"malformed --buckets {text!r}: expected positive integers like 512,2048")
+    return tuple(sorted(set(int(p) for p in parts)))
+
+
+def _ops(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "autotune",
+        help="search kernel configs per op and bucket, and store the winners in a persistent cache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", nargs="?", help="preset name or local model directory")
+    p.add_argument("--buckets", type=_buckets, default=(512,), help="prompt lengths to tune for (default 512)")
+    p.add_argument("--budget-s", type=float, default=300.0, help="time budget for the search, seconds")
+    p.add_argument("--cache", default=None, help="cache directory (default $TTFTC_AUTOTUNE_CACHE or "
+                   "~/.cache/ttftc/autotune)")
+    p.add_argument("--ops", type=_ops, default=None, help="only these ttftc ops, comma-separated")
+    p.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32")
+    p.add_argument("--provider", choices=("auto", "triton", "cpu", "npu"), default="auto")
+    p.add_argument("--retune", action="store_true", help="measure again even where the cache has an entry")
+    p.add_argument("--show", action="store_true", help="list the cache's contents and exit")
+    p.set_defaults(run=run)
+
+
+def _show(cache) -> int:
+    entries = list(cache.entries())
+    print(f"{cache.directory}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
+    for e in entries:
+        speedup = e.default_ms / e.tuned_ms if e.tuned_ms else float("nan")
+        print(f"{e.key.op:<12}{e.key.provider:<8}{e.key.dtype:<9}{e.tuned_ms:>9.3f} ms  x{speedup:.2f}  "
+              f"{e.config}  [{e.key.shapes}] [{e.key.device}] {e.versions}")
+    return 0
+
+
+def run(args) -> int:
+    import ttftc
+    from ttftc.autotune import AutotuneCache, summary_table
+    from ttftc.autotune.api import check_ops, tune_model
+    from ttftc.bench import BenchInputError
+    from ttftc.bench.models import load_model, resolve_model
+    from ttftc.commands import UsageError
+
+    cache = AutotuneCache(args.cache)
+    if args.show:
+        return _show(cache)
+    if args.model is None:
+        raise UsageError("MODEL is required (a preset or a local model directory), unless --show is given")
+    if not args.budget_s > 0:
+        raise UsageError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
+    try:
+        check_ops(args.ops)
+        spec = resolve_model(args.model)
+        cache.check_writable()
+    except (ValueError, BenchInputError, PermissionError) as exc:
+        raise UsageError(str(exc)) from None
+    model = load_model(spec)
+    config = ttftc.Config(precision=args.precision, provider=args.provider)
+    results = tune_model(model, args.buckets, config=config, cache=cache, budget_s=args.budget_s, ops=args.ops,
+                         retune=args.retune)
+    print(summary_table(results))
+    print(f"cache: {cache.directory}")
+    return 0
