@@ -21,7 +21,7 @@ def path(request, monkeypatch):
     """Offset and window cases take an explicit mask when small, else the rewrites; test cases are small, so the
     memory-bounded rewrites are forced by lowering the size threshold to 0."""
     if request.param == "memory-bounded":
-        monkeypatch.setattr(cpu_attention, "_SMALL_MASK_ENTRIES", 0)
+        monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "small_mask_pairs", 0)
     return request.param
 
 
@@ -100,3 +100,13 @@ def test_no_quadratic_memory_at_4096_tokens():
     # Per call: the bytes one op allocated itself (a 64 MiB score matrix would show up here).
     biggest = max(prof.events(), key=lambda e: e.cpu_memory_usage)
     assert biggest.cpu_memory_usage < one_head_scores / 4, (biggest.name, biggest.cpu_memory_usage)
+
+
+@pytest.mark.parametrize("tuning", [{"window_block_rows": 64, "small_mask_pairs": 0},
+                                    {"window_block_rows": 512, "small_mask_pairs": 1 << 22}])
+def test_every_tuning_config_is_exact(tuning):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 150, 16, generator=gen) for _ in range(3))
+    params = dict(causal=True, scale=0.25, q_offset=0, window=40)
+    out = attention_cpu(q, k, v, tuning_config=tuning, **params)
+    torch.testing.assert_close(out, attention.reference(q, k, v, **params), atol=1e-5, rtol=1e-5)

@@ -5,7 +5,7 @@ with a query-blocked matmul/softmax loop; it is the fastest exact path measured 
 (no Sq x Skv score tensor), and it maps GQA heads itself, so K and V are never repeated.
 
 The kernel only knows "causal, top-left aligned" or an additive mask. Small offset/window cases (at most
-_SMALL_MASK_ENTRIES query-key pairs) get an explicit additive mask, which measured fastest there; larger ones are
+DEFAULT_TUNING["small_mask_pairs"] query-key pairs; autotunable) get an explicit additive mask, which measured fastest there; larger ones are
 rewritten so that nothing Sq x Skv is ever allocated:
 - causal with q_offset > 0 (bottom-right / chunked prefill): keys [0, q_offset) are visible to every query and
   keys [q_offset, Skv) are causal top-left, so two kernel calls are merged exactly through their logsumexps;
@@ -21,16 +21,19 @@ from typing import Optional
 
 import torch
 
+from ttftc.autotune.space import Problem, SearchSpace, register_space
 from ttftc.codegen.lowering import register_lowering
 from ttftc.ops.attention import attention_mask
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Query rows per block in the sliding-window path: the mask and scores per block stay (rows x (rows + window)).
-_WINDOW_BLOCK_ROWS = 256
-# Up to this many (query, key) pairs, an explicit additive mask (4 MiB in fp32) and one flash call beat the
-# memory-bounded rewrites (benchmarks/attention_cpu.py: offset and window cases at 512 vs 2048 tokens).
-_SMALL_MASK_ENTRIES = 1 << 20
+DEFAULT_TUNING = {
+    # Query rows per block in the sliding-window path: mask and scores per block stay rows x (rows + window).
+    "window_block_rows": 256,
+    # Up to this many (query, key) pairs, an explicit additive mask (4 MiB in fp32) and one flash call beat the
+    # memory-bounded rewrites (benchmarks/attention_cpu.py: offset and window cases at 512 vs 2048 tokens).
+    "small_mask_pairs": 1 << 20,
+}
 
 
 def _unsupported_reason(ctx, q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0) -> Optional[str]:
@@ -71,11 +74,11 @@ def _causal_from_offset(q, k, v, scale: float, q_offset: int) -> torch.Tensor:
     return merged.to(q.dtype)
 
 
-def _sliding_window(q, k, v, scale: float, q_offset: int, window: int) -> torch.Tensor:
+def _sliding_window(q, k, v, scale: float, q_offset: int, window: int, block_rows: int) -> torch.Tensor:
     sq, skv = q.shape[2], k.shape[2]
     out = _zeros_like_out(q, v)
-    for start in range(0, sq, _WINDOW_BLOCK_ROWS):
-        stop = min(sq, start + _WINDOW_BLOCK_ROWS)
+    for start in range(0, sq, block_rows):
+        stop = min(sq, start + block_rows)
         first_pos, last_pos = q_offset + start, q_offset + stop - 1
         lo, hi = max(0, first_pos - window + 1), min(skv, last_pos + 1)
         if hi <= lo:
@@ -100,7 +103,7 @@ def _full_mask(q, k, v, scale: float, q_offset: int, window: int) -> torch.Tenso
     return out if bool(seen.all()) else out * seen[:, None].to(out.dtype)
 
 
-def _attend(q, k, v, *, causal: bool, scale: float, q_offset: int, window: int) -> torch.Tensor:
+def _attend(q, k, v, *, causal: bool, scale: float, q_offset: int, window: int, tuning: dict) -> torch.Tensor:
     sq, skv = q.shape[2], k.shape[2]
     if sq == 0 or skv == 0:
         return _zeros_like_out(q, v)
@@ -109,16 +112,33 @@ def _attend(q, k, v, *, causal: bool, scale: float, q_offset: int, window: int) 
     window_binds = 0 < window < q_offset + sq  # the window hides keys from at least one row
     if q_offset == 0 and not window_binds:
         return _flash(q, k, v, 0.0, True, scale=scale)[0]
-    if sq * skv <= _SMALL_MASK_ENTRIES:
+    if sq * skv <= tuning["small_mask_pairs"]:
         return _full_mask(q, k, v, scale, q_offset, window if window_binds else 0)
     if window_binds:
-        return _sliding_window(q, k, v, scale, q_offset, window)
+        return _sliding_window(q, k, v, scale, q_offset, window, tuning["window_block_rows"])
     return _causal_from_offset(q, k, v, scale, q_offset)
 
 
+def _only_offset_or_window_cases(config: dict, problem: Problem) -> Optional[str]:
+    # The knobs only steer the offset/window paths; plain causal prefill is one flash call whatever they say.
+    options = problem.options
+    if options.get("q_offset", 0) == 0 and options.get("window", 0) == 0 and config != DEFAULT_TUNING:
+        return "plain causal attention has no knob: one flash call"
+    return None
+
+
+register_space(SearchSpace(
+    "attention", "cpu",
+    axes={"window_block_rows": (64, 128, 256, 512), "small_mask_pairs": (0, 1 << 18, 1 << 20, 1 << 22)},
+    default=lambda problem: dict(DEFAULT_TUNING),
+    constraints=(_only_offset_or_window_cases,),
+))
+
+
 @register_lowering("attention", "cpu", unsupported_reason=_unsupported_reason, priority=10)
-def attention_cpu(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0):
-    params = dict(causal=causal, scale=float(scale), q_offset=int(q_offset), window=int(window))
+def attention_cpu(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, tuning_config=None):
+    tuning = {**DEFAULT_TUNING, **(tuning_config or {})}
+    params = dict(causal=causal, scale=float(scale), q_offset=int(q_offset), window=int(window), tuning=tuning)
     if kv_len is None:
         return _attend(q, k, v, **params)
     skv = k.shape[2]
