@@ -56,7 +56,7 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
         x = x + residual
-        residual_out = x.clone()
+        residual_out = x  # a fresh tensor, not an alias of an input, so the op may return it
     else:
         residual_out = x.new_empty(0)
     return F.linear(normalize(x, norm_w, norm_b, kind=kind, eps=eps), w, b), residual_out

@@ -1,0 +1,90 @@
+"""CPU lowerings of ttftc.gated_ffn and ttftc.linear_act against the op references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+import ttftc
+from tests.helpers import TOLERANCES, assert_logits_match, needs_transformers
+from ttftc import zoo
+from ttftc.codegen.cpu.ffn import gated_ffn_cpu, linear_act_cpu
+from ttftc.codegen.lowering import LoweringContext, lower_graph, lowerings_for
+from ttftc.ops.ffn import ACTIVATIONS
+
+gated_ffn, linear_act = torch.ops.ttftc.gated_ffn, torch.ops.ttftc.linear_act
+
+CPU = LoweringContext("cpu", None)
+
+
+def _weights(dtype, hidden=24, inter=40, bias=False):
+    g = torch.Generator().manual_seed(0)
+    w_gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.2).to(dtype)
+    w_down = (torch.randn(hidden, inter, generator=g) * 0.2).to(dtype)
+    b_gate_up = torch.randn(2 * inter, generator=g).to(dtype) if bias else None
+    b_down = torch.randn(hidden, generator=g).to(dtype) if bias else None
+    x = torch.randn(2, 5, hidden, generator=g).to(dtype)
+    return x, w_gate_up, w_down, b_gate_up, b_down
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_ffn_cpu_matches_reference(dtype, act, bias):
+    x, w_gu, w_d, b_gu, b_d = _weights(dtype, bias=bias)
+    expected = gated_ffn(x, w_gu, w_d, b_gu, b_d, act=act)
+    actual = gated_ffn_cpu(x, w_gu, w_d, b_gu, b_d, act=act)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_linear_act_cpu_matches_reference(dtype, act):
+    x, w, _, b, _ = _weights(dtype, bias=True)
+    expected = linear_act(x, w, b, act=act)
+    actual = linear_act_cpu(x, w, b, act=act)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+def test_lowering_keeps_the_frozen_weights_without_copies():
+    x, w_gu, w_d, _, _ = _weights(torch.float32)
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    gm.register_buffer("w_gate_up", w_gu)
+    gm.register_buffer("w_down", w_d)
+    graph = gm.graph
+    inp = graph.placeholder("x")
+    inp.meta["val"] = x
+    wgu_node, wd_node = graph.get_attr("w_gate_up"), graph.get_attr("w_down")
+    wgu_node.meta["val"], wd_node.meta["val"] = w_gu, w_d
+    out = graph.call_function(torch.ops.ttftc.gated_ffn.default, (inp, wgu_node, wd_node), {"act": "silu"})
+    out.meta["val"] = gated_ffn(x, w_gu, w_d, act="silu")
+    graph.output(out)
+    gm.recompile()
+    (decision,) = lower_graph(gm, provider="cpu")
+    assert decision.provider == "cpu" and out.target is gated_ffn_cpu
+    assert out.args[1] is wgu_node and sorted(dict(gm.named_buffers())) == ["w_down", "w_gate_up"]
+    torch.testing.assert_close(gm(x), gated_ffn(x, w_gu, w_d, act="silu"))
+
+
+def test_capability_reasons():
+    (entry,) = [e for e in lowerings_for("gated_ffn") if e.provider == "cpu"]
+    x, w_gu, w_d, _, _ = _weights(torch.float32)
+    assert entry.unsupported_reason(CPU, x, w_gu, w_d, act="silu") is None
+    assert "cuda" in entry.unsupported_reason(LoweringContext("cuda", None), x, w_gu, w_d, act="silu")
+    assert "float64" in entry.unsupported_reason(CPU, x.double(), w_gu.double(), w_d.double(), act="silu")
+    assert "gated FFN" in entry.unsupported_reason(CPU, x, w_gu[:-1], w_d, act="silu")
+
+
+@needs_transformers
+def test_zoo_llama_runs_through_the_cpu_lowerings():
+    model = zoo.build("llama", "sdpa")
+    ids = zoo.example_ids(model, 9)
+    backend = ttftc.backend(ttftc.Config(provider="cpu"))
+    with torch.no_grad():
+        assert_logits_match(torch.compile(model, backend=backend)(ids).logits, model(ids).logits)
+    providers = backend.report().providers
+    assert providers["gated_ffn"] == {"cpu": 2}
+    assert providers["norm_linear"] == {"cpu": 3} and providers["norm"] == {"cpu": 2}

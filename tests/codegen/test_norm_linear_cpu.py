@@ -1,0 +1,71 @@
+"""CPU lowerings of ttftc.norm_linear and ttftc.norm against the op references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import TOLERANCES
+from ttftc.codegen.cpu.norm import norm_cpu
+from ttftc.codegen.cpu.norm_linear import norm_linear_cpu
+from ttftc.codegen.lowering import LoweringContext, lowerings_for
+
+norm, norm_linear = torch.ops.ttftc.norm, torch.ops.ttftc.norm_linear
+
+CPU = LoweringContext("cpu", None)
+
+
+def _inputs(dtype, kind, hidden=48, out=40, residual=True, bias=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, hidden, generator=g).to(dtype)
+    res = torch.randn(2, 5, hidden, generator=g).to(dtype) if residual else None
+    norm_w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    norm_b = torch.randn(hidden, generator=g).to(dtype) if kind == "layer" else None
+    w = (torch.randn(out, hidden, generator=g) * 0.2).to(dtype)
+    b = torch.randn(out, generator=g).to(dtype) if bias else None
+    return x, res, norm_w, norm_b, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_linear_cpu_matches_reference(dtype, kind, residual, bias):
+    x, res, norm_w, norm_b, w, b = _inputs(dtype, kind, residual=residual, bias=bias)
+    expected, expected_res = norm_linear(x, norm_w, norm_b, w, b, res, kind=kind, eps=1e-6)
+    actual, actual_res = norm_linear_cpu(x, norm_w, norm_b, w, b, res, kind=kind, eps=1e-6)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    assert actual_res.shape == expected_res.shape
+    if residual:
+        torch.testing.assert_close(actual_res, expected_res, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_cpu_matches_reference(dtype, kind):
+    x, res, norm_w, norm_b, _, _ = _inputs(dtype, kind)
+    expected_y, expected_res = norm(x, norm_w, norm_b, res, kind=kind, eps=1e-5)
+    actual_y, actual_res = norm_cpu(x, norm_w, norm_b, res, kind=kind, eps=1e-5)
+    # RMSNorm keeps Hugging Face's rounding order, so even bf16 agrees to the last bit; LayerNorm uses ATen's
+    # fused kernel on both sides.
+    torch.testing.assert_close(actual_y, expected_y, atol=0 if dtype == torch.float32 else 1e-2, rtol=1e-6)
+    torch.testing.assert_close(actual_res, expected_res, atol=0, rtol=0)
+
+
+def test_bf16_rms_norm_rounds_before_the_weight_like_hugging_face():
+    x, _, norm_w, _, _, _ = _inputs(torch.bfloat16, "rms", residual=False)
+    y, _ = norm_cpu(x, norm_w, None, None, kind="rms", eps=1e-6)
+    xf = x.float()
+    hf = norm_w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert torch.equal(y, hf)
+
+
+def test_capability_reasons():
+    (entry,) = [e for e in lowerings_for("norm_linear") if e.provider == "cpu"]
+    x, res, norm_w, _, w, _ = _inputs(torch.float32, "rms")
+    assert entry.unsupported_reason(CPU, x, norm_w, None, w, None, res, kind="rms", eps=1e-6) is None
+    assert "hidden size" in entry.unsupported_reason(CPU, x, norm_w[:-1], None, w, None, res, kind="rms", eps=1e-6)
+    assert "float64" in entry.unsupported_reason(CPU, x.double(), norm_w.double(), None, w.double(), kind="rms",
+                                                 eps=1e-6)
+    assert "npu" in entry.unsupported_reason(LoweringContext("npu", None), x, norm_w, None, w, kind="rms", eps=1e-6)

@@ -1,0 +1,73 @@
+"""CPU lowerings of ttftc.gated_ffn and ttftc.linear_act: BLAS GEMMs with the activation applied in place.
+
+gated_ffn: one GEMM into [T, 2I] for the merged gate|up weight, then act(gate) and the multiply by up run in
+place on the gate half (no new [T, I] buffers), and the down GEMM reads that half as a strided view (BLAS takes
+the row stride as its leading dimension, so no copy). Weight layout: see cpu/_blas.py. Measured 1.08-1.11x
+faster than the eager three GEMMs + silu + mul at llama-135m shapes (benchmarks/ffn_norm_cpu.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ttftc.codegen.cpu._blas import cpu_linear_reason, linear_2d
+from ttftc.codegen.lowering import register_lowering
+from ttftc.ops.ffn import ACTIVATIONS
+
+
+def activation_(x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(x) in place: x is a buffer this lowering owns."""
+    if act == "silu":
+        return F.silu(x, inplace=True)
+    if act == "gelu_tanh":
+        return torch.ops.aten.gelu_(x, approximate="tanh")
+    if act == "gelu":
+        return torch.ops.aten.gelu_(x)
+    if act == "relu":
+        return x.relu_()
+    raise ValueError(f"Unknown activation {act!r}; valid: {ACTIVATIONS}")
+
+
+def _bias_reason(x, bias, n) -> str | None:
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype != x.dtype):
+        return f"bias of shape {tuple(bias.shape)} / {bias.dtype} does not fit [{n}] / {x.dtype}"
+    return None
+
+
+def _gated_reason(ctx, x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, act):
+    reason = cpu_linear_reason(ctx, x, w_gate_up, w_down)
+    if reason is not None:
+        return reason
+    if act not in ACTIVATIONS:
+        return f"activation {act!r}"
+    if w_gate_up.shape[0] % 2 or w_gate_up.shape[0] // 2 != w_down.shape[1] or w_gate_up.shape[1] != x.shape[-1]:
+        return f"weights {tuple(w_gate_up.shape)} / {tuple(w_down.shape)} do not form a gated FFN"
+    return _bias_reason(x, b_gate_up, w_gate_up.shape[0]) or _bias_reason(x, b_down, w_down.shape[0])
+
+
+@register_lowering("gated_ffn", "cpu", unsupported_reason=_gated_reason)
+def gated_ffn_cpu(x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, act):
+    inter = w_gate_up.shape[0] // 2
+    gate_up = linear_2d(x.reshape(-1, x.shape[-1]), w_gate_up, b_gate_up)
+    gate = activation_(gate_up[:, :inter], act)
+    gate.mul_(gate_up[:, inter:])
+    out = linear_2d(gate, w_down, b_down)
+    return out.view(*x.shape[:-1], w_down.shape[0])
+
+
+def _linear_act_reason(ctx, x, w, b=None, *, act):
+    reason = cpu_linear_reason(ctx, x, w)
+    if reason is not None:
+        return reason
+    if act not in ACTIVATIONS:
+        return f"activation {act!r}"
+    if w.shape[1] != x.shape[-1]:
+        return f"weight {tuple(w.shape)} does not fit input width {x.shape[-1]}"
+    return _bias_reason(x, b, w.shape[0])
+
+
+@register_lowering("linear_act", "cpu", unsupported_reason=_linear_act_reason)
+def linear_act_cpu(x, w, b=None, *, act):
+    out = activation_(linear_2d(x.reshape(-1, x.shape[-1]), w, b), act)
+    return out.view(*x.shape[:-1], w.shape[0])

@@ -1,0 +1,53 @@
+"""CPU lowering of ttftc.norm: residual add and RMSNorm/LayerNorm with ATen's fused norm kernels.
+
+RMSNorm keeps Hugging Face's numerics: in fp32, `torch.rms_norm` computes exactly the decomposition (statistics
+and scaling in fp32, then the weight); for 16-bit inputs the normalised tensor is cast back before the weight
+multiply, as HF does, which `torch.rms_norm` alone would not (it applies the weight in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ttftc.codegen.lowering import register_lowering
+
+
+def residual_add(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the norm's input, residual_out) for the op contract: residual_out is x + residual or an empty tensor."""
+    if residual is None:
+        return x, x.new_empty(0)
+    summed = torch.add(x, residual)
+    return summed, summed
+
+
+def normalize_cpu(x: torch.Tensor, norm_w, norm_b, *, kind: str, eps: float) -> torch.Tensor:
+    hidden = (x.shape[-1],)
+    if kind == "layer":
+        return F.layer_norm(x, hidden, norm_w, norm_b, eps)
+    if x.dtype == torch.float32 and norm_w.dtype == torch.float32:
+        return torch.rms_norm(x, hidden, norm_w, eps)
+    normed = torch.rms_norm(x.float(), hidden, None, eps).to(x.dtype)
+    return normed.mul_(norm_w) if torch.promote_types(x.dtype, norm_w.dtype) == x.dtype else norm_w * normed
+
+
+def norm_reason(ctx, x, norm_w, norm_b=None, residual=None, *, kind, eps) -> str | None:
+    if ctx.device_type != "cpu":
+        return f"cpu provider, tensors on {ctx.device_type}"
+    if kind not in ("rms", "layer"):
+        return f"norm kind {kind!r}"
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {x.dtype} not supported by the cpu norm path"
+    if norm_w.dim() != 1 or norm_w.shape[0] != x.shape[-1]:
+        return f"norm weight shape {tuple(norm_w.shape)} does not match hidden size {x.shape[-1]}"
+    if kind == "layer" and norm_w.dtype != x.dtype:
+        return f"layer norm weight dtype {norm_w.dtype} differs from input dtype {x.dtype}"
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        return "residual shape or dtype differs from the input"
+    return None
+
+
+@register_lowering("norm", "cpu", unsupported_reason=norm_reason)
+def norm_cpu(x, norm_w, norm_b=None, residual=None, *, kind, eps):
+    x, residual_out = residual_add(x, residual)
+    return normalize_cpu(x, norm_w, norm_b, kind=kind, eps=eps), residual_out
