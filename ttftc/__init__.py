@@ -5,6 +5,7 @@
     print(ttftc.explain(model, input_ids))
 """
 
+from ttftc.aot.build import load
 from ttftc.api import compile, explain  # noqa: A004
 from ttftc.backend import TtftcBackend, backend, ttftc_backend
 from ttftc.config import Config
@@ -12,4 +13,4 @@ from ttftc.report import Report
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "Report", "TtftcBackend", "backend", "compile", "explain", "ttftc_backend", "__version__"]
+__all__ = ["Config", "Report", "TtftcBackend", "backend", "compile", "explain", "load", "ttftc_backend", "__version__"]

@@ -18,6 +18,11 @@ def compile(model: torch.nn.Module, config: Optional[Config] = None):  # noqa: A
             f"ttftc.compile expects a torch.nn.Module (e.g. a transformers model), got {type(model).__name__}. "
             "For a plain function use torch.compile(fn, backend='ttftc')."
         )
+    if config is not None and config.buckets is not None:
+        # Shape buckets: a wrapper that pads each prompt to its bucket and runs that bucket's graph directly.
+        from ttftc.runtime.bucketed import compile_bucketed
+
+        return compile_bucketed(model, config)
     return torch.compile(model, backend=TtftcBackend(config))
 
 
@@ -35,6 +40,10 @@ def explain(model, *args, config: Optional[Config] = None, **kwargs) -> Report:
     with torch.no_grad():
         compiled(*args, **kwargs)
     report = backend.report()
+    if config is not None and config.buckets is not None and isinstance(model, torch.nn.Module):
+        from ttftc.buckets.compiled import CompiledGraphs
+
+        report.notes.append(CompiledGraphs(model, config).plan.describe())
     if not backend.reports:
         report.notes.append("Dynamo handed ttftc no graph: nothing was compiled")
     return report

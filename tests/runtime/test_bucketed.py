@@ -1,0 +1,141 @@
+"""The bucketed model: padded runs equal unpadded eager at every real position, and warm buckets never recompile."""
+
+import random
+
+import pytest
+import torch
+
+import ttftc
+from tests.helpers import assert_logits_match, needs_transformers, zoo_cases
+from ttftc import zoo
+from ttftc.runtime.bucketed import BucketedModel, PromptTooLongError, compile_bucketed
+
+pytestmark = needs_transformers
+
+
+def _eager(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    return out.logits, layers
+
+
+def _assert_kv_match(actual, expected, *, positions=slice(None), row=0):
+    assert len(actual) == len(expected)
+    for (k, v), (ek, ev) in zip(actual, expected):
+        assert_logits_match(k[row:row + 1, :, positions], ek)
+        assert_logits_match(v[row:row + 1, :, positions], ev)
+
+
+@pytest.mark.parametrize("family, attn", zoo_cases())
+def test_padded_matches_unpadded_eager(family, attn):
+    model = zoo.build(family, attn)
+    bucketed = compile_bucketed(model, ttftc.Config(buckets=(16, 32)), cache=None)
+    assert bucketed.plan.safe, bucketed.plan.reason
+    for length in (3, 11, 16):  # all in the 16-token bucket: one compile, padding of 13, 5 and 0 tokens
+        ids = zoo.example_ids(model, length, seed=length)
+        out = bucketed(ids)
+        logits, kv = _eager(model, ids)
+        assert out.bucket == 16 and out.logits.shape == logits.shape
+        assert_logits_match(out.logits, logits)
+        _assert_kv_match(out.past_key_values, kv)
+        assert out.kv_len.tolist() == [length]
+    assert bucketed.source.compiles == 1
+
+
+def test_batch_of_different_lengths_uses_each_sequences_length():
+    model = zoo.build("llama", "sdpa")
+    bucketed = compile_bucketed(model, ttftc.Config(buckets=(16,)), cache=None)
+    lengths = [5, 12, 9]
+    width = max(lengths)
+    prompts = [zoo.example_ids(model, n, seed=n) for n in lengths]
+    for side in ("right", "left"):
+        ids = torch.zeros(len(lengths), width, dtype=torch.long)
+        mask = torch.zeros(len(lengths), width, dtype=torch.long)
+        starts = []
+        for b, (n, p) in enumerate(zip(lengths, prompts)):
+            start = 0 if side == "right" else width - n
+            ids[b, start:start + n], mask[b, start:start + n] = p[0], 1
+            starts.append(start)
+        full = bucketed(ids, attention_mask=mask)
+        last = bucketed(ids, attention_mask=mask, logits_to_keep=1)
+        assert full.kv_len.tolist() == lengths and last.logits.shape == (len(lengths), 1, model.config.vocab_size)
+        for b, (n, p, start) in enumerate(zip(lengths, prompts, starts)):
+            logits, kv = _eager(model, p)
+            real = slice(start, start + n)
+            assert_logits_match(full.logits[b:b + 1, real], logits)
+            _assert_kv_match(full.past_key_values, kv, positions=real, row=b)
+            assert_logits_match(last.logits[b:b + 1, 0], logits[:, -1])
+
+
+def test_zero_recompiles_across_random_lengths():
+    from torch._dynamo.utils import counters
+
+    model = zoo.build("llama", "sdpa")
+    bucketed = compile_bucketed(model, ttftc.Config(buckets=(16, 32, 64)), cache=None)
+    bucketed.warmup(logits_to_keep=(1,))
+    assert bucketed.source.compiles == 3
+    frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 64) for _ in range(24)]
+    for i, length in enumerate(lengths):
+        ids = zoo.example_ids(model, length, seed=i)
+        out = bucketed(ids, logits_to_keep=1)
+        if i % 6 == 0:  # spot-check values; the point here is the counters
+            assert_logits_match(out.logits[:, 0], _eager(model, ids)[0][:, -1])
+    assert counters["frames"]["total"] == frames, "Dynamo traced a frame after warm-up"
+    assert counters["stats"]["unique_graphs"] == graphs, "a graph was compiled after warm-up"
+    assert bucketed.source.compiles == 3
+    assert len(set(lengths)) >= 15
+
+
+def test_prompt_longer_than_largest_bucket():
+    model = zoo.build("llama", "sdpa")
+    ids = zoo.example_ids(model, 20)
+    strict = compile_bucketed(model, ttftc.Config(buckets=(16,)), cache=None)
+    with pytest.raises(PromptTooLongError, match=r"20 tokens is longer than the largest bucket \(16\).*on_oversize"):
+        strict(ids)
+    dynamic = compile_bucketed(model, ttftc.Config(buckets=(16,), on_oversize="dynamic"), cache=None)
+    out = dynamic(ids)
+    assert out.bucket is None
+    assert_logits_match(out.logits, _eager(model, ids)[0])
+
+
+def test_bad_inputs_are_rejected_clearly():
+    model = zoo.build("llama", "sdpa")
+    bucketed = compile_bucketed(model, ttftc.Config(buckets=(16,)), cache=None)
+    ids = zoo.example_ids(model, 6, batch=2)
+    with pytest.raises(ValueError, match="has gaps"):
+        bucketed(ids, attention_mask=torch.tensor([[1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="no tokens"):
+        bucketed(ids, attention_mask=torch.tensor([[0] * 6, [1] * 6]))
+    with pytest.raises(ValueError, match="logits_to_keep=3"):
+        bucketed(ids, logits_to_keep=3)
+    single = bucketed(ids[0], logits_to_keep=1)  # a 1-D prompt is a batch of one
+    assert single.logits.shape == (1, 1, model.config.vocab_size)
+
+
+def test_ttftc_compile_with_buckets_returns_the_bucketed_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("TTFTC_COMPILE_CACHE", str(tmp_path))
+    model = zoo.build("gpt2", "sdpa")
+    compiled = ttftc.compile(model, ttftc.Config(buckets=(8, 16)))
+    assert isinstance(compiled, BucketedModel)
+    ids = zoo.example_ids(model, 7)
+    assert_logits_match(compiled(ids).logits, _eager(model, ids)[0])
+
+
+def test_refused_model_runs_each_prompt_at_its_own_length():
+    from transformers import BertConfig, BertModel
+
+    bert = BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=64, max_position_embeddings=64)).eval()
+    bucketed = compile_bucketed(bert, ttftc.Config(buckets=(16,)), cache=None)
+    assert not bucketed.plan.safe
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    out = bucketed(ids, attention_mask=mask, use_cache=False)
+    assert out.bucket is None
+    with torch.no_grad():
+        for b, n in enumerate((7, 4)):
+            expected = bert(ids[b:b + 1, :n]).last_hidden_state
+            assert_logits_match(out.logits[b:b + 1, :n], expected)

@@ -1,0 +1,204 @@
+"""Capture one prefill graph per bucket shape, as a plain aten GraphModule that runs without Dynamo.
+
+Dynamo traces a small adapter around the model (tensors in, a flat tuple of tensors out), AOTAutograd turns it
+into the functional aten graph, and the ttftc backend runs its passes and lowering on it. The backend here
+then stops the compile by raising: Dynamo installs no cache entry and never runs the graph, and we keep the
+transformed aten graph. Calling that graph directly is what makes the serving path free of recompiles: there
+is no guard to fail and no frame to re-trace, whatever length comes in.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo.exc import BackendCompilerFailed
+
+from ttftc.backend import TtftcBackend
+from ttftc.buckets.plan import BucketPlan, plan_from_graph, refused
+from ttftc.buckets.program import GraphProgram, GraphSignature, output_names
+from ttftc.config import Config
+from ttftc.report import Report
+
+def _model_outputs(out, *, kv: bool) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        logits = out[0]  # a base model: the last hidden state stands in for logits
+    flat = [logits]
+    if not kv:
+        return flat
+    cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        return flat
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for layer in layers:
+            flat += [layer.keys, layer.values]
+    else:
+        for keys, values in cache:
+            flat += [keys, values]
+    return flat
+
+
+class PrefillAdapter(torch.nn.Module):
+    """model(input_ids, position_ids) as a function of tensors returning a flat tuple, so one graph holds it all."""
+
+    def __init__(self, model: torch.nn.Module, *, logits: str = "all", kv: bool = True):
+        super().__init__()
+        self.model = model
+        self.logits = logits
+        self.kv = kv
+        params = inspect.signature(model.forward).parameters
+        self.takes_positions = "position_ids" in params
+        self.takes_logits_to_keep = "logits_to_keep" in params
+        self.takes_use_cache = "use_cache" in params
+
+    def forward(self, input_ids, position_ids=None, last_index=None):
+        kwargs = {}
+        if self.takes_positions:
+            kwargs["position_ids"] = position_ids
+        if self.takes_use_cache:
+            kwargs["use_cache"] = self.kv
+        last = self.logits == "last"
+        if last and self.takes_logits_to_keep:
+            # HF keeps hidden[:, last_index]: [B, B, V]; sequence b's row is the diagonal entry.
+            kwargs["logits_to_keep"] = last_index
+        flat = _model_outputs(self.model(input_ids=input_ids, **kwargs), kv=self.kv)
+        if last:
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+            cols = rows if self.takes_logits_to_keep else last_index
+            flat[0] = flat[0][rows, cols].unsqueeze(1)
+        return tuple(flat)
+
+
+def example_inputs(signature: GraphSignature, device: torch.device, adapter: PrefillAdapter) -> dict:
+    b, s = signature.batch, signature.bucket
+    tensors = {"input_ids": torch.zeros(b, s, dtype=torch.long, device=device)}
+    if adapter.takes_positions:
+        tensors["position_ids"] = torch.arange(s, device=device).expand(b, s).contiguous()
+    if signature.logits == "last":
+        tensors["last_index"] = torch.full((b,), s - 1, dtype=torch.long, device=device)
+    return tensors
+
+
+class _Captured(Exception):
+    """Raised by the capture backend to end the compile once it has what it needs."""
+
+
+_SOURCE = re.compile(r"^L\['(\w+)'\]$")
+
+
+class _CaptureBackend(TtftcBackend):
+    """The ttftc backend, plus: remembers which graph input is which, and stops after compiling."""
+
+    def __init__(self, config: Config, *, observe: Optional[Callable] = None, compile_graph: bool = True):
+        super().__init__(config)
+        self.observe = observe
+        self.compile_graph = compile_graph
+        self.flat_names: list[Optional[str]] = []
+        self.graph: Optional[fx.GraphModule] = None
+        self.live: tuple[int, ...] = ()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
+        own = len(dict(gm.named_parameters(remove_duplicate=False)))
+        own += len(dict(gm.named_buffers(remove_duplicate=False)))
+        names: list[Optional[str]] = [None] * own
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                arg = node.meta.get("grapharg")
+                match = _SOURCE.match(arg.source.name) if arg is not None and arg.source is not None else None
+                names.append(match.group(1) if match else None)
+        self.flat_names = names
+        return super().__call__(gm, example_inputs)
+
+    def _compile_real(self, aten_gm: fx.GraphModule, inputs, num_aot_inputs: int) -> Callable:
+        if self.observe is not None:
+            names = self.flat_names if num_aot_inputs == len(self.flat_names) else [None] * num_aot_inputs
+            self.observe(aten_gm, names)
+        if self.compile_graph:
+            run = super()._compile_real(aten_gm, inputs, num_aot_inputs)
+            self.graph = run.graph_module
+            self.live = tuple(run.live_inputs)
+        raise _Captured()
+
+
+def _trace(adapter: PrefillAdapter, backend: _CaptureBackend, tensors: dict, *, dynamic: bool) -> None:
+    compiled = torch.compile(adapter, backend=backend, fullgraph=True, dynamic=None if dynamic else False)
+    try:
+        with torch.no_grad():
+            compiled(**tensors)
+    except BackendCompilerFailed as exc:
+        if isinstance(exc.inner_exception, _Captured):
+            return
+        raise
+    raise RuntimeError("the capture backend was never called: Dynamo produced no graph for the model")
+
+
+def capture_graph(model: torch.nn.Module, signature: GraphSignature, config: Config,
+                  device: torch.device) -> tuple[GraphProgram, Report]:
+    """Trace, transform and lower the prefill graph for one signature. Costs one compile; runs nothing."""
+    adapter = PrefillAdapter(model, logits=signature.logits, kv=signature.kv)
+    backend = _CaptureBackend(config)
+    tensors = example_inputs(signature, device, adapter)
+    _trace(adapter, backend, tensors, dynamic=False)
+    if backend.graph is None:
+        raise RuntimeError("the capture backend saw no graph")
+    names = [backend.flat_names[i] if i < len(backend.flat_names) else None for i in backend.live]
+    if any(n not in tensors for n in names):
+        raise RuntimeError(
+            f"the prefill graph reads inputs other than the prompt tensors ({names}); it cannot run without "
+            "Dynamo. This happens when a model keeps mutable state (e.g. a static cache) inside the module."
+        )
+    gm = backend.graph
+    _drop_unused_constants(gm)
+    outputs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    program = GraphProgram(signature, gm, names, output_names(len(outputs)))
+    return program, backend.report()
+
+
+def _drop_unused_constants(gm: fx.GraphModule) -> None:
+    """Remove constants no node reads any more (e.g. a weight a lowering replaced by its transpose)."""
+    gm.graph.eliminate_dead_code()
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in [name for name, _ in gm.named_buffers(recurse=False) if name not in used]:
+        del gm._buffers[name]
+    gm.recompile()
+
+
+def analyse_padding(model: torch.nn.Module, buckets: tuple[int, ...], device: torch.device,
+                    notes: Sequence[str] = ()) -> BucketPlan:
+    """Trace the model once with a symbolic sequence length and run the padding-safety analysis on it."""
+    adapter = PrefillAdapter(model, logits="all", kv=True)
+    length = 8  # any length > 1: Dynamo specialises sizes 0 and 1
+    tensors = example_inputs(GraphSignature(length), device, adapter)
+    for t in tensors.values():
+        torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
+    plans: list[BucketPlan] = []
+
+    def observe(aten_gm: fx.GraphModule, names: list) -> None:
+        placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+        seq = set()
+        for node, name in zip(placeholders, names):
+            value = node.meta.get("val")
+            if name in ("input_ids", "position_ids") and isinstance(value, torch.Tensor) and value.dim() >= 2:
+                size = value.shape[-1]
+                if isinstance(size, torch.SymInt):
+                    seq |= set(size.node.expr.free_symbols)
+        if not any(n in ("input_ids",) for n in names):
+            plans.append(refused(buckets, "could not find the token ids among the graph inputs", notes))
+            return
+        plans.append(plan_from_graph(aten_gm, seq, buckets, notes))
+
+    try:
+        _trace(adapter, _CaptureBackend(Config(passes=()), observe=observe, compile_graph=False), tensors,
+               dynamic=True)
+    except Exception as exc:  # a model Dynamo cannot trace as one graph cannot be bucketed either
+        return refused(buckets, f"tracing with a symbolic length failed: {type(exc).__name__}: {exc}"[:500], notes)
+    if not plans:
+        return refused(buckets, "Dynamo handed over no graph to analyse", notes)
+    return plans[0]

@@ -1,0 +1,548 @@
+"""The bucketing plan: prove from the graph that right-padding a prompt cannot change its real positions.
+
+This is an analysis, not a rewriting pass, so it lives here and not in ttftc/passes/ (where every module is a
+pass selectable in Config.passes). It reads the functional aten graph of a trace in which the sequence length
+is symbolic, so "which axis is the sequence" is a fact about sizes (a size whose expression contains the
+sequence symbol), never a guess from a coincidence of numbers.
+
+Padding is safe when, for every real position i, nothing computed at i reads a position j > i. Per-token
+work (GEMMs over the hidden axis, norms over the hidden axis, pointwise math, views) keeps positions apart;
+the only ops allowed to combine positions are attention ops shown to be causal:
+
+- an SDPA op with is_causal=True, or with a mask that hides every key after its query;
+- ttftc.attention with causal=True;
+- a decomposed ("eager") attention: a softmax over keys whose scores were masked causally, and the GEMM of
+  those probabilities with V.
+
+A mask is shown causal by evaluating the (data-independent) subgraph that builds it at small probe lengths
+and checking that no query sees a later key. Everything else that reduces, pools, normalises, slices, shifts
+or gathers along the sequence axis, and every op this analysis does not know, makes the plan refuse with a
+reason; the model then runs with dynamic shapes instead of buckets.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
+
+from ttftc.ops.registry import op_name_of
+from ttftc.passes.graph_utils import op_label
+
+aten = torch.ops.aten
+
+# Sequence lengths the mask subgraphs are evaluated at. Small (cheap) and different from each other, so a
+# mask that only happens to look causal at one size is caught.
+PROBE_LENGTHS = (5, 11)
+
+# Additive mask values at or below this hide a key (HF uses the dtype's min, SDPA-style masks use -inf).
+_HIDDEN = -1e30
+
+_VIEW_LIKE = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.clone.default, aten.alias.default, aten.detach.default,
+    aten._to_copy.default, aten.lift_fresh_copy.default, aten.contiguous.default, aten._assert_tensor_metadata.default,
+    aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default,
+    aten.type_as.default, aten.repeat.default,
+}
+
+# Ops that create tensors from sizes alone: they read no positions.
+_CONSTRUCTORS = {
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
+    aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.new_zeros.default,
+    aten.new_ones.default, aten.new_empty.default, aten.new_full.default, aten.zeros_like.default,
+    aten.ones_like.default, aten.empty_like.default, aten.full_like.default, aten.empty_strided.default,
+}
+
+# Prefix scans are causal by construction: position i reads positions <= i.
+_PREFIX_SCANS = {aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
+
+# (dims argument index, keepdim/other args ignored); None as dims means "all dims".
+_REDUCTIONS: dict[Any, int] = {
+    aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten.amax.default: 1, aten.amin.default: 1,
+    aten.var.correction: 1, aten.std.correction: 1, aten.var_mean.correction: 1, aten.std_mean.correction: 1,
+    aten.prod.dim_int: 1, aten.max.dim: 1, aten.min.dim: 1, aten.argmax.default: 1, aten.argmin.default: 1,
+    aten.logsumexp.default: 1, aten.any.dim: 1, aten.any.dims: 1, aten.all.dim: 1, aten.linalg_vector_norm.default: 2,
+    aten.sort.default: 1, aten.topk.default: 2, aten.kthvalue.default: 2, aten.median.dim: 1, aten.mode.default: 1,
+}
+_FULL_REDUCTIONS = {
+    aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.prod.default, aten.any.default,
+    aten.all.default, aten.var.default, aten.std.default, aten.median.default,
+}
+_SOFTMAXES = {aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int}
+
+_SDPA = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten.scaled_dot_product_attention.default,
+}
+
+_INDEXING = {
+    aten.gather.default, aten.index_select.default, aten.select.int, aten.unbind.int, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.index.Tensor,
+}
+# Ops whose problems are about attention: reported first, as they are the usual reason a model is not causal.
+_ATTENTION_CLASS = _SDPA | _SOFTMAXES | {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+
+# ttftc ops that work token by token (norms over the hidden axis, per-token activation scales).
+_PER_TOKEN_TTFTC_OPS = {"gated_ffn", "linear_act", "norm_linear", "int8_linear", "rms_norm", "layer_norm"}
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Whether a model may be padded to buckets, and the table it is padded to.
+
+    safe:     padding proven safe; when False the model runs with dynamic shapes and `reason` says why.
+    buckets:  the bucket table in effect (Config.buckets or the default, capped at the position limit).
+    evidence: what the proof rests on (for explain).
+    """
+
+    safe: bool
+    buckets: tuple[int, ...]
+    reason: Optional[str] = None
+    evidence: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.safe:
+            head = f"bucketing: padding proven safe; buckets {list(self.buckets)}"
+            body = "; ".join(self.evidence) if self.evidence else "no op mixes sequence positions"
+            text = f"{head} ({body})"
+        else:
+            text = f"bucketing: refused, the graph stays dynamic: {self.reason}"
+        return "; ".join([text, *self.notes])
+
+    def to_dict(self) -> dict:
+        return {
+            "safe": self.safe, "buckets": list(self.buckets), "reason": self.reason,
+            "evidence": list(self.evidence), "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BucketPlan":
+        return cls(
+            safe=bool(data["safe"]), buckets=tuple(int(b) for b in data["buckets"]), reason=data.get("reason"),
+            evidence=tuple(data.get("evidence", ())), notes=tuple(data.get("notes", ())),
+        )
+
+
+@dataclass
+class _Findings:
+    problems: list[str] = field(default_factory=list)
+    evidence: dict[str, int] = field(default_factory=dict)
+
+    def prove(self, what: str) -> None:
+        self.evidence[what] = self.evidence.get(what, 0) + 1
+
+
+def _flat_nodes(arg: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(arg, out.append)
+    return out
+
+
+def _free_symbols(size: Any) -> set:
+    if isinstance(size, torch.SymInt):
+        return set(size.node.expr.free_symbols)
+    return set()
+
+
+class PaddingAnalysis:
+    """Walks an aten graph whose sequence length is the sympy symbol(s) `seq_symbols`."""
+
+    def __init__(self, gm: fx.GraphModule, seq_symbols: Iterable, max_length: int,
+                 probe_lengths: Sequence[int] = PROBE_LENGTHS):
+        self.gm = gm
+        self.max_length = max_length
+        self.seq = set(seq_symbols)
+        self.probe_lengths = tuple(probe_lengths)
+        self.findings = _Findings()
+        self._data_dependent: dict[fx.Node, bool] = {}
+        self._causal_probs: set[fx.Node] = set()
+        self._attention_problem = False
+
+    # -- shapes ----------------------------------------------------------------------------------------
+    def seq_dims(self, node: Any) -> list[int]:
+        value = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            return []
+        return [d for d, size in enumerate(value.shape) if _free_symbols(size) & self.seq]
+
+    def _has_seq(self, node: Any) -> bool:
+        return bool(self.seq_dims(node))
+
+    def _is_seq_size(self, size: Any) -> bool:
+        return bool(_free_symbols(size) & self.seq)
+
+    def _dim_size(self, node: fx.Node, dim: int) -> Any:
+        return node.meta["val"].shape[dim]
+
+    # -- data dependence -------------------------------------------------------------------------------
+    def depends_on_data(self, node: fx.Node) -> bool:
+        """True if the node's value depends on a tensor input (token ids, weights), not just on sizes."""
+        if node in self._data_dependent:
+            return self._data_dependent[node]
+        stack, order = [node], []
+        while stack:  # iterative: graphs are deep enough to overflow recursion
+            n = stack.pop()
+            if n in self._data_dependent:
+                continue
+            pending = [a for a in n.all_input_nodes if a not in self._data_dependent]
+            if pending:
+                stack.append(n)
+                stack.extend(pending)
+                continue
+            if n.op == "placeholder":
+                result = isinstance(n.meta.get("val"), torch.Tensor)
+            else:
+                result = any(self._data_dependent[a] for a in n.all_input_nodes)
+            self._data_dependent[n] = result
+            order.append(n)
+        return self._data_dependent[node]
+
+    # -- mask evaluation -------------------------------------------------------------------------------
+    def evaluate(self, node: fx.Node, length: int) -> Any:
+        """The concrete value of a data-independent node when the sequence length is `length`."""
+        needed: list[fx.Node] = []
+        seen: set[fx.Node] = set()
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            needed.append(n)
+            stack.extend(n.all_input_nodes)
+        env: dict[fx.Node, Any] = {}
+        for n in self.gm.graph.nodes:  # graph order is a topological order
+            if n not in seen:
+                continue
+            if n.op == "placeholder":
+                value = n.meta.get("val")
+                if not isinstance(value, torch.SymInt):
+                    raise ValueError(f"depends on graph input {n.name}")
+                env[n] = length if self._is_seq_size(value) else int(value.node.hint)
+            elif n.op == "get_attr":
+                value = self.gm
+                for part in n.target.split("."):
+                    value = getattr(value, part)
+                env[n] = value
+            elif n.op == "call_function":
+                args = fx.node.map_arg(n.args, env.__getitem__)
+                kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+                env[n] = n.target(*args, **kwargs)
+            else:
+                raise ValueError(f"cannot evaluate {n.op} node {n.name}")
+        return env[node]
+
+    def _visible(self, mask_node: fx.Node, length: int, kind: str) -> Optional[torch.Tensor]:
+        """Boolean [..., Sq, Sk] visibility of a mask at `length`, or None if its shape is not query x key."""
+        value = self.evaluate(mask_node, length)
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            return None
+        if value.shape[-1] != length or value.shape[-2] != length:
+            return None
+        if kind == "bool_visible":
+            return value.bool()
+        if kind == "bool_hidden":
+            return ~value.bool()
+        if value.dtype == torch.bool:  # an additive slot given a bool mask: SDPA semantics, True = visible
+            return value
+        return value.float() > _HIDDEN
+
+    def mask_is_causal(self, mask_node: Any, kind: str) -> Optional[str]:
+        """None if the mask hides every later key at every probe length, else why not."""
+        if not isinstance(mask_node, fx.Node):
+            return "the mask is not a tensor computed in the graph"
+        if self.depends_on_data(mask_node):
+            return f"the mask {mask_node.name} depends on graph inputs (e.g. an attention_mask), not only on positions"
+        for length in self.probe_lengths:
+            try:
+                visible = self._visible(mask_node, length, kind)
+            except Exception as exc:  # evaluation is best effort; failing to evaluate is failing to prove
+                return f"the mask {mask_node.name} could not be evaluated ({type(exc).__name__}: {exc})"
+            if visible is None:
+                return f"the mask {mask_node.name} is not a [query, key] mask"
+            later = torch.ones(length, length, dtype=torch.bool).triu(1)
+            if (visible & later).any():
+                return f"the mask {mask_node.name} lets a query see later keys (checked at length {length})"
+        return None
+
+    # -- attention -------------------------------------------------------------------------------------
+    def _check_sdpa(self, node: fx.Node) -> Optional[str]:
+        normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        if normalized is None:
+            return f"{node.name}: could not read the arguments of {op_label(node.target)}"
+        kwargs = normalized.kwargs
+        key = kwargs.get("key")
+        if not self._has_seq(key):
+            return None  # attends to a fixed-length memory: positions are not mixed
+        mask = kwargs.get("attn_mask", kwargs.get("attn_bias"))
+        if kwargs.get("is_causal"):
+            if mask is not None:
+                return f"{node.name}: is_causal together with a mask is not analysed"
+            self.findings.prove("SDPA with is_causal=True")
+            return None
+        if mask is None:
+            return f"{node.name}: bidirectional attention ({op_label(node.target)} with is_causal=False and no mask)"
+        why = self.mask_is_causal(mask, "additive")
+        if why is not None:
+            return f"{node.name}: attention mask not proven causal: {why}"
+        self.findings.prove("SDPA with a causal mask (evaluated)")
+        return None
+
+    def _check_ttftc_attention(self, node: fx.Node) -> Optional[str]:
+        if not node.kwargs.get("causal", False):
+            return f"{node.name}: ttftc.attention with causal=False attends to later positions"
+        self.findings.prove("ttftc.attention(causal=True)")
+        return None
+
+    def _masked_scores(self, node: fx.Node) -> Optional[str]:
+        """For a softmax input: None if some step on its way from the scores applies a causal mask."""
+        reasons = []
+        current = node
+        while isinstance(current, fx.Node) and current.op == "call_function":
+            target = current.target
+            if target in (aten._to_copy.default, aten.clone.default, aten.alias.default, aten.view.default,
+                          aten.mul.Tensor, aten.div.Tensor):
+                # dtype casts, views and scaling by a constant keep a hidden key hidden
+                if target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(current.args[1], fx.Node) and \
+                        self.depends_on_data(current.args[1]):
+                    break
+                current = current.args[0]
+                continue
+            if target is aten.add.Tensor:
+                a, b = current.args[0], current.args[1]
+                scores, mask = (a, b) if isinstance(a, fx.Node) and self.depends_on_data(a) else (b, a)
+                why = self.mask_is_causal(mask, "additive")
+                if why is None:
+                    return None
+                reasons.append(why)
+                current = scores
+                continue
+            if target is aten.where.self:
+                cond, x, y = current.args
+                if isinstance(x, fx.Node) and self.depends_on_data(x) and self._fills_hidden(y):
+                    why = self.mask_is_causal(cond, "bool_visible")
+                    scores = x
+                elif isinstance(y, fx.Node) and self.depends_on_data(y) and self._fills_hidden(x):
+                    why = self.mask_is_causal(cond, "bool_hidden")
+                    scores = y
+                else:
+                    break
+                if why is None:
+                    return None
+                reasons.append(why)
+                current = scores
+                continue
+            if target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+                scores, cond, value = current.args
+                if not self._fills_hidden(value):
+                    break
+                why = self.mask_is_causal(cond, "bool_hidden")
+                if why is None:
+                    return None
+                reasons.append(why)
+                current = scores
+                continue
+            break
+        return reasons[0] if reasons else "no causal mask is applied to the scores"
+
+    def _fills_hidden(self, value: Any) -> bool:
+        if isinstance(value, (int, float)):
+            return value <= _HIDDEN
+        if isinstance(value, fx.Node) and not self.depends_on_data(value):
+            try:
+                concrete = self.evaluate(value, self.probe_lengths[0])
+            except Exception:
+                return False
+            return isinstance(concrete, torch.Tensor) and concrete.numel() == 1 and float(concrete) <= _HIDDEN
+        return False
+
+    def _check_softmax(self, node: fx.Node) -> Optional[str]:
+        x = node.args[0]
+        dim = node.args[1] % x.meta["val"].dim()
+        if not self._is_seq_size(self._dim_size(x, dim)):
+            return None
+        why = self._masked_scores(x)
+        if why is not None:
+            return f"{node.name}: softmax over the sequence axis without a proven causal mask ({why})"
+        self._causal_probs.add(node)
+        self.findings.prove("softmax over causally masked scores (evaluated)")
+        return None
+
+    def _is_causal_probs(self, node: Any) -> bool:
+        while isinstance(node, fx.Node) and node.op == "call_function":
+            if node in self._causal_probs:
+                return True
+            if node.target in _VIEW_LIKE or node.target in (aten.native_dropout.default, aten.dropout.default):
+                node = node.args[0]
+            elif node.target is operator.getitem:
+                node = node.args[0]
+            else:
+                return False
+        return False
+
+    # -- the other op classes --------------------------------------------------------------------------
+    def _check_matmul(self, node: fx.Node) -> Optional[str]:
+        target = node.target
+        if target in (aten.addmm.default, aten.baddbmm.default):
+            lhs, rhs = node.args[1], node.args[2]
+        else:
+            lhs, rhs = node.args[0], node.args[1]
+        contraction = self._dim_size(lhs, -1)
+        if not self._is_seq_size(contraction):
+            return None
+        if self._is_causal_probs(lhs):
+            self.findings.prove("probabilities @ V over causal probabilities")
+            return None
+        return f"{node.name}: {op_label(target)} sums over the sequence axis outside a causal attention"
+
+    def _check_reduction(self, node: fx.Node) -> Optional[str]:
+        x = node.args[0]
+        rank = x.meta["val"].dim()
+        if node.target in _FULL_REDUCTIONS:
+            dims = list(range(rank))
+        else:
+            index = _REDUCTIONS[node.target]
+            dims = node.args[index] if len(node.args) > index else node.kwargs.get("dim")
+            if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+                dims = list(range(rank))
+            elif isinstance(dims, int):
+                dims = [dims]
+        for d in dims:
+            if self._is_seq_size(self._dim_size(x, d % max(rank, 1))):
+                return f"{node.name}: {op_label(node.target)} reduces across the sequence axis"
+        return None
+
+    def _check_layer_norm(self, node: fx.Node) -> Optional[str]:
+        x, normalized_shape = node.args[0], node.args[1]
+        rank = x.meta["val"].dim()
+        for d in range(rank - len(normalized_shape), rank):
+            if self._is_seq_size(self._dim_size(x, d)):
+                return f"{node.name}: layer norm normalises across the sequence axis"
+        return None
+
+    def _check_slice(self, node: fx.Node) -> Optional[str]:
+        x, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        size = self._dim_size(x, dim)
+        if not self._is_seq_size(size):
+            return None
+        start = node.args[2] if len(node.args) > 2 else 0
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        # A slice is a no-op, whatever the padded length up to the largest bucket, when it starts at 0 (or
+        # counts back at least that far, like a sliding-window cache keeping its last W-1 keys) and ends at
+        # the end.
+        full_start = start in (0, None) or (isinstance(start, int) and start < 0 and -start >= self.max_length)
+        full_end = end is None or (isinstance(end, int) and end >= self.max_length) or str(end) == str(size) or (
+            isinstance(end, fx.Node) and str(end.meta.get("val")) == str(size))
+        if full_start and full_end and step == 1:
+            return None
+        return f"{node.name}: slices the sequence axis ({start}:{end}:{step}), so positions would shift with padding"
+
+    def _indexes_seq(self, x: fx.Node, dims: Iterable[int]) -> bool:
+        rank = x.meta["val"].dim()
+        return any(self._is_seq_size(self._dim_size(x, d % rank)) for d in dims)
+
+    def _check_indexing(self, node: fx.Node) -> Optional[str]:
+        """Gathers, selects and splits are position-wise unless the axis they index is the sequence axis."""
+        target, x = node.target, node.args[0]
+        if target in (aten.gather.default, aten.index_select.default, aten.select.int, aten.unbind.int):
+            dims = [node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)]
+        elif target in (aten.split.Tensor, aten.split_with_sizes.default):
+            dims = [node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)]
+        else:  # aten.index.Tensor: one optional index tensor per leading dim
+            dims = [d for d, index in enumerate(node.args[1]) if index is not None]
+        if self._indexes_seq(x, dims):
+            return f"{node.name}: {op_label(target)} picks positions along the sequence axis"
+        return None
+
+    def _check_cat(self, node: fx.Node) -> Optional[str]:
+        tensors = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        rank = node.meta["val"].dim()
+        if not self._is_seq_size(node.meta["val"].shape[dim % rank]):
+            return None
+        # A zero-element piece (e.g. the legacy 1-D empty tensor of a fresh KV cache) adds no positions.
+        non_empty = [t for t in tensors if not (isinstance(t.meta["val"].numel(), int) and t.meta["val"].numel() == 0)]
+        if len(non_empty) <= 1:
+            return None  # e.g. a fresh KV cache: an empty past concatenated with the new keys
+        return f"{node.name}: concatenates along the sequence axis"
+
+    def _check_node(self, node: fx.Node) -> Optional[str]:
+        target = node.target
+        inputs = _flat_nodes((node.args, node.kwargs))
+        if not any(self._has_seq(a) for a in inputs):
+            return None  # reads no sequence-shaped tensor: weights, sizes, or constructors
+        if target is operator.getitem or target in _VIEW_LIKE or target in _CONSTRUCTORS or target in _PREFIX_SCANS:
+            return None
+        ttftc_op = op_name_of(target)
+        if ttftc_op == "attention":
+            return self._check_ttftc_attention(node)
+        if ttftc_op in _PER_TOKEN_TTFTC_OPS:
+            return None
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+            return None
+        if target in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
+            return self._check_matmul(node)
+        if target in _SDPA:
+            return self._check_sdpa(node)
+        if target in _SOFTMAXES:
+            return self._check_softmax(node)
+        if target in _REDUCTIONS or target in _FULL_REDUCTIONS:
+            return self._check_reduction(node)
+        if target is aten.native_layer_norm.default:
+            return self._check_layer_norm(node)
+        if target is aten.slice.Tensor:
+            return self._check_slice(node)
+        if target is aten.cat.default:
+            return self._check_cat(node)
+        if target in _INDEXING:
+            return self._check_indexing(node)
+        if target is aten.embedding.default:
+            return None if not self._has_seq(node.args[0]) else f"{node.name}: embedding table indexed by position"
+        return f"{node.name}: cannot prove {op_label(target)} keeps sequence positions independent"
+
+    def run(self) -> tuple[Optional[str], tuple[str, ...]]:
+        """(None, evidence) when padding is proven safe, else (the first problem, evidence so far)."""
+        if not self.seq:
+            return "the sequence length was specialised during tracing, so the sequence axis is unknown", ()
+        for node in self.gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            problem = self._check_node(node)
+            if problem is not None:
+                about_attention = node.target in _ATTENTION_CLASS or op_name_of(node.target) == "attention"
+                if about_attention and not self._attention_problem:
+                    self.findings.problems.insert(0, problem)
+                    self._attention_problem = True
+                else:
+                    self.findings.problems.append(problem)
+        evidence = tuple(f"{n}x {what}" for what, n in self.findings.evidence.items())
+        if self.findings.problems:
+            extra = len(self.findings.problems) - 1
+            more = f" (+{extra} more)" if extra else ""
+            return self.findings.problems[0] + more, evidence
+        return None, evidence
+
+
+def plan_from_graph(
+    gm: fx.GraphModule, seq_symbols: Iterable, buckets: tuple[int, ...], notes: Sequence[str] = ()
+) -> BucketPlan:
+    """Analyse `gm` (pre-pass aten graph with a symbolic sequence length) into a BucketPlan."""
+    problem, evidence = PaddingAnalysis(gm, seq_symbols, max(buckets)).run()
+    return BucketPlan(safe=problem is None, buckets=buckets, reason=problem, evidence=evidence, notes=tuple(notes))
+
+
+def refused(buckets: tuple[int, ...], reason: str, notes: Sequence[str] = ()) -> BucketPlan:
+    return BucketPlan(safe=False, buckets=buckets, reason=reason, notes=tuple(notes))
+
+

@@ -1,0 +1,178 @@
+"""ttftc's on-disk compile cache: compiled bucket graphs and bucketing plans, shared across processes.
+
+    root/entries/<key>.json       one compiled graph (after passes and lowering), see graph_format.py
+    root/plans/<key>.json         one bucketing plan
+    root/blobs/<sha256>.safetensors  one constant tensor, named by the hash of its content
+
+A graph's key hashes the model (code, config, weights: keys.model_fingerprint), the input signature, the
+Config digest with every pass uuid (PassManager.uuid), the ttftc source, the versions of ttftc, torch, triton
+and transformers, and the device. A hit loads the graph and its constants: nothing is traced, no pass or
+lowering runs. Constants are content-addressed, so the buckets of one model share their weights on disk.
+
+Every file is written to a temporary name and renamed (atomic.py), so concurrent writers and readers are
+safe. A corrupted or partial entry is reported with one warning, deleted and rebuilt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ttftc.buckets.program import GraphProgram, GraphSignature
+from ttftc.buckets.plan import BucketPlan
+from ttftc.cache.atomic import atomic_path, write_json
+from ttftc.cache.graph_format import decode_program, encode_program
+from ttftc.cache.keys import combine, device_description, model_fingerprint, tensor_hash, ttftc_source_hash, versions
+from ttftc.config import Config
+
+CACHE_ENV = "TTFTC_COMPILE_CACHE"  # the compile cache directory itself, or "off"
+ROOT_ENV = "TTFTC_CACHE_DIR"  # ttftc's cache root (shared with the autotune cache); compile/ below it
+_DISABLED = ("", "0", "off", "none", "false")
+
+
+def default_cache_dir() -> Optional[Path]:
+    """$TTFTC_COMPILE_CACHE ("off" disables the cache), else $TTFTC_CACHE_DIR/compile, else ~/.cache/ttftc/compile."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in _DISABLED else Path(value).expanduser()
+    root = os.environ.get(ROOT_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "ttftc")
+    return Path(root) / "compile"
+
+
+def default_cache() -> Optional["CompileCache"]:
+    root = default_cache_dir()
+    return CompileCache(root) if root is not None else None
+
+
+class CompileCache:
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self.hits = 0
+        self.misses = 0
+        self.corrupt = 0
+        self._fingerprints: dict[int, tuple[torch.nn.Module, str]] = {}
+        self._hashes: dict[int, tuple[torch.Tensor, str]] = {}
+        self._blobs: dict[str, torch.Tensor] = {}
+
+    # -- keys --------------------------------------------------------------------------------------------
+    def _fingerprint(self, model: torch.nn.Module) -> str:
+        # Hashing the weights is the expensive part of a key; a model is hashed once per cache object.
+        held = self._fingerprints.get(id(model))
+        if held is None or held[0] is not model:
+            held = (model, model_fingerprint(model))
+            self._fingerprints[id(model)] = held
+        return held[1]
+
+    def _common(self, model: torch.nn.Module, device: torch.device) -> dict:
+        return {
+            "model": self._fingerprint(model),
+            "versions": versions(),
+            "ttftc_source": ttftc_source_hash(),
+            "device": device_description(device),
+        }
+
+    def graph_key(self, model, config: Config, signature: GraphSignature, device: torch.device) -> str:
+        from ttftc.passes.manager import PassManager
+
+        parts = {**self._common(model, device), "signature": signature.to_dict(),
+                 "config": config.digest(), "passes": PassManager(config).uuid()}
+        return combine(parts)
+
+    def plan_key(self, model, buckets: tuple[int, ...], device: torch.device) -> str:
+        return combine({**self._common(model, device), "buckets": list(buckets), "kind": "plan"})
+
+    # -- graphs ------------------------------------------------------------------------------------------
+    def load_graph(self, model, config: Config, signature: GraphSignature,
+                   device: torch.device) -> Optional[GraphProgram]:
+        path = self.root / "entries" / f"{self.graph_key(model, config, signature, device)}.json"
+        if not path.exists():
+            self.misses += 1
+            return None
+        try:
+            data = json.loads(path.read_text())
+            program = decode_program(data["program"], lambda key: self._load_blob(key, device))
+        except Exception as exc:  # anything wrong with an entry means: rebuild it
+            self._discard(path, exc)
+            self.misses += 1
+            return None
+        self.hits += 1
+        return program
+
+    def store_graph(self, model, config: Config, program: GraphProgram, device: torch.device) -> None:
+        key = self.graph_key(model, config, program.signature, device)
+        try:
+            encoded = encode_program(program, self._store_blob)
+        except Exception as exc:  # a graph that cannot be saved still runs; it is just not cached
+            warnings.warn(f"ttftc compile cache: graph {program.signature.name} not cached: {exc}", stacklevel=3)
+            return
+        write_json(self.root / "entries" / f"{key}.json", {"program": encoded, "signature": program.signature.name})
+
+    # -- plans -------------------------------------------------------------------------------------------
+    def load_plan(self, model, config: Config, buckets: tuple[int, ...]) -> Optional[BucketPlan]:
+        from ttftc.buckets.compiled import model_device
+
+        path = self.root / "plans" / f"{self.plan_key(model, buckets, model_device(model, config))}.json"
+        if not path.exists():
+            return None
+        try:
+            return BucketPlan.from_dict(json.loads(path.read_text()))
+        except Exception as exc:
+            self._discard(path, exc)
+            return None
+
+    def store_plan(self, model, config: Config, buckets: tuple[int, ...], plan: BucketPlan) -> None:
+        from ttftc.buckets.compiled import model_device
+
+        key = self.plan_key(model, buckets, model_device(model, config))
+        write_json(self.root / "plans" / f"{key}.json", plan.to_dict())
+
+    # -- constants ---------------------------------------------------------------------------------------
+    def _hash(self, t: torch.Tensor) -> str:
+        held = self._hashes.get(id(t))
+        if held is None or held[0] is not t:
+            held = (t, tensor_hash(t))
+            self._hashes[id(t)] = held
+        return held[1]
+
+    def _store_blob(self, t: torch.Tensor) -> str:
+        from safetensors.torch import save_file
+
+        key = self._hash(t)
+        path = self.root / "blobs" / f"{key}.safetensors"
+        if not path.exists():
+            with atomic_path(path) as tmp:
+                save_file({"t": t.detach().contiguous().cpu()}, str(tmp))
+        return key
+
+    def _load_blob(self, key: str, device: torch.device) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        cached = self._blobs.get(key)
+        if cached is not None:
+            return cached
+        path = self.root / "blobs" / f"{key}.safetensors"
+        if not path.exists():
+            raise FileNotFoundError(f"constant {path.name} is missing")
+        try:
+            tensor = load_file(str(path), device=str(device))["t"]
+            if tensor_hash(tensor) != key:
+                raise ValueError(f"constant {path.name} does not match its checksum")
+        except Exception:
+            path.unlink(missing_ok=True)  # let the rebuild write a good copy
+            raise
+        self._blobs[key] = tensor
+        return tensor
+
+    def _discard(self, path: Path, exc: Exception) -> None:
+        self.corrupt += 1
+        warnings.warn(
+            f"ttftc compile cache: ignoring corrupted entry {path} ({type(exc).__name__}: {exc}); rebuilding it",
+            stacklevel=4,
+        )
+        path.unlink(missing_ok=True)
+
