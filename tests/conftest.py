@@ -6,11 +6,17 @@ kernel then runs on CPU tensors through the interpreter.
 """
 
 import os
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tests never read or write the user's caches: the compile and autotune caches live in a throw-away root.
+os.environ["TTFTC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ttftc-test-cache-")
+os.environ.pop("TTFTC_COMPILE_CACHE", None)
+os.environ.pop("TTFTC_AUTOTUNE_CACHE", None)
 
 import pytest  # noqa: E402
 

@@ -3,14 +3,38 @@
     model = torch.compile(model, backend="ttftc")            # default Config
     model = ttftc.compile(model, ttftc.Config(precision="bf16"))
     print(ttftc.explain(model, input_ids))
+    model = ttftc.load(artifact_dir)                         # an AOT artifact: no compiler on the serving path
 """
 
-from ttftc.aot.build import load
-from ttftc.api import compile, explain  # noqa: A004
-from ttftc.backend import TtftcBackend, backend, ttftc_backend
-from ttftc.config import Config
-from ttftc.report import Report
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "Report", "TtftcBackend", "backend", "compile", "explain", "load", "ttftc_backend", "__version__"]
+# Resolved on first use, so `import ttftc; ttftc.load(dir)` on a serving host never imports Dynamo or the passes.
+_LAZY = {
+    "Config": "ttftc.config",
+    "Report": "ttftc.report",
+    "TtftcBackend": "ttftc.backend",
+    "backend": "ttftc.backend",
+    "ttftc_backend": "ttftc.backend",
+    "compile": "ttftc.api",
+    "explain": "ttftc.api",
+    "load": "ttftc.aot.build",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ttftc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
