@@ -1,0 +1,186 @@
+"""Triton lowerings of W8A8: an int8 GEMM with int32 accumulation and the dequant epilogue, and per-token quantisation.
+
+int8_gemm: out[M, N] = (Σ_k xq[m, k] · w[n, k]) · x_scale[m] · w_scale[n] + bias[n], cast to out's dtype in the
+store. The accumulator is int32 (`tl.dot(..., out_dtype=tl.int32)`), exact for any K a transformer has; the
+epilogue is fp32. The weight is read as [N, K] through its strides, so no transposed copy is needed.
+
+quantize_rows: one program per row; a first sweep finds max |x|, a second writes round(x / scale) as int8.
+Rounding is half away from zero (Triton has no round-half-even without libdevice, which the interpreter lacks),
+so a value exactly halfway between two steps may land one step from torch.round's choice: within the op
+contract's one-step tolerance.
+
+gated_ffn_int8 composes them: gate|up GEMM (fp32 out) → act·mul in torch → quantize_rows → down GEMM.
+Capable on CUDA, and on CPU only under TRITON_INTERPRET=1 with provider="triton" (how tests run the kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.triton._ffn_norm_support import HAS_TRITON, device_reason
+from ttftc.ops.ffn import ACTIVATIONS, apply_activation
+
+OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _int8_gemm_kernel(
+        a_ptr, w_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr,
+        M, N, K,
+        stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0)
+            b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
+            acc += tl.dot(a, b, out_dtype=tl.int32)
+        x_scale = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
+        w_scale = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
+        out = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
+                 out.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_K)
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-8) / 127.0
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            v = x / scale
+            v = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+            v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+            tl.store(q_ptr + row * stride_qm + k0 + cols, v.to(tl.int8), mask=k0 + cols < K)
+        tl.store(s_ptr + row, scale)
+
+
+def _gemm_blocks(interpret: bool) -> tuple[int, int, int, int]:
+    # The interpreter simulates each program with numpy: few, large tiles are fastest and tl.dot needs >= 16.
+    return (32, 32, 32, 1) if interpret else (64, 64, 64, 4)
+
+
+def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor,
+              bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] int8, x_scale [M] fp32, w_int8 [N, K], w_scale [N] → [M, N] out_dtype."""
+    m, k = xq.shape
+    n = w_int8.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    block_m, block_n, block_k, warps = _gemm_blocks(xq.device.type == "cpu")
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    x_scale = x_scale.reshape(-1).float().contiguous()
+    w_scale = w_scale.float().contiguous()
+    _int8_gemm_kernel[grid](
+        xq, w_int8, x_scale, w_scale, bias if bias is not None else w_scale, out,
+        m, n, k,
+        xq.stride(0), xq.stride(1), w_int8.stride(0), w_int8.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )
+    return out
+
+
+def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x2d.shape
+    x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
+    q = torch.empty(m, k, dtype=torch.int8, device=x2d.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
+    if m:
+        block_k = min(1024, triton.next_power_of_2(k))
+        _quantize_rows_kernel[(m,)](x2d, q, scale, k, x2d.stride(0), q.stride(0), BLOCK_K=block_k)
+    return q, scale
+
+
+def _rows(x: torch.Tensor, x_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    x2d = x.reshape(-1, x.shape[-1])
+    if x_scale is None:
+        return quantize_rows(x2d)
+    return x2d, x_scale.reshape(-1)
+
+
+def _common_reason(ctx, x, x_scale, *weights_and_scales) -> Optional[str]:
+    reason = device_reason(ctx)
+    if reason is not None:
+        return reason
+    if x_scale is None and x.dtype not in OUT_DTYPES:
+        return f"activation dtype {x.dtype} cannot be quantised"
+    if x_scale is not None and x.dtype != torch.int8:
+        return f"activation is {x.dtype} although a scale is given (want int8)"
+    for w, s in zip(weights_and_scales[::2], weights_and_scales[1::2]):
+        if w.dtype != torch.int8 or w.dim() != 2 or s.dim() != 1 or s.shape[0] != w.shape[0]:
+            return f"weight {tuple(w.shape)} {w.dtype} / scale {tuple(s.shape)} is not int8 [N, K] with [N] scales"
+        if w.shape[1] < 16:
+            return f"K={w.shape[1]} below tl.dot's minimum of 16"
+    return None
+
+
+def _int8_linear_reason(ctx, x, x_scale, w_int8, w_scale, bias=None, *, out_dtype):
+    reason = _common_reason(ctx, x, x_scale, w_int8, w_scale)
+    if reason is None and out_dtype not in OUT_DTYPES:
+        reason = f"out_dtype {out_dtype}"
+    if reason is None and w_int8.shape[1] != x.shape[-1]:
+        reason = f"weight {tuple(w_int8.shape)} does not fit input width {x.shape[-1]}"
+    return reason
+
+
+@register_lowering("int8_linear", "triton", unsupported_reason=_int8_linear_reason, priority=10)
+def int8_linear_triton(x, x_scale, w_int8, w_scale, bias=None, *, out_dtype):
+    xq, xs = _rows(x, x_scale)
+    out = int8_gemm(xq, xs, w_int8, w_scale, bias, out_dtype)
+    return out.view(*x.shape[:-1], w_int8.shape[0])
+
+
+def _quantize_reason(ctx, x):
+    return device_reason(ctx) or (None if x.dtype in OUT_DTYPES else f"dtype {x.dtype} cannot be quantised")
+
+
+@register_lowering("quantize_per_token", "triton", unsupported_reason=_quantize_reason, priority=10)
+def quantize_per_token_triton(x):
+    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return q.view(x.shape), scale.view(x.shape[:-1])
+
+
+def _gated_reason(ctx, x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, b_gate_up=None, b_down=None, *,
+                  act, out_dtype):
+    reason = _common_reason(ctx, x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale)
+    if reason is not None:
+        return reason
+    if act not in ACTIVATIONS:
+        return f"activation {act!r}"
+    if out_dtype not in OUT_DTYPES:
+        return f"out_dtype {out_dtype}"
+    if w_gate_up.shape[0] % 2 or w_gate_up.shape[0] // 2 != w_down.shape[1]:
+        return f"weights {tuple(w_gate_up.shape)} / {tuple(w_down.shape)} do not form a gated FFN"
+    return None
+
+
+@register_lowering("gated_ffn_int8", "triton", unsupported_reason=_gated_reason, priority=10)
+def gated_ffn_int8_triton(x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, b_gate_up=None, b_down=None, *,
+                          act, out_dtype):
+    xq, xs = _rows(x, x_scale)
+    gate_up = int8_gemm(xq, xs, w_gate_up, gate_up_scale, b_gate_up, torch.float32)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hq, hs = quantize_rows(apply_activation(gate, act) * up)
+    out = int8_gemm(hq, hs, w_down, down_scale, b_down, out_dtype)
+    return out.view(*x.shape[:-1], w_down.shape[0])
