@@ -1,0 +1,175 @@
+"""The roofline bound of a prefill: its FLOPs divided by the device's GEMM peak, measured in the same run.
+
+FLOPs (2 per multiply-add) of one prefill of T tokens, batch 1:
+    linear layers   2 · T · Σ in·out over every linear layer except the output embedding (lm_head)
+    attention       per layer: 2 · 2 · n_heads · head_dim · P(T), for QKᵀ and for P·V, where
+                    P(T) = Σ_{i=1..T} min(i, window) is the number of causal (query, key) pairs; with no sliding
+                    window P(T) = T(T+1)/2
+    lm_head         2 · in · out, for the last token only (the prefill keeps one position of logits)
+Norms, activations, rotary embeddings and softmax are not counted: they are not GEMM work, and the bound is
+a lower bound on time anyway. Linear shapes are read from the modules (nn.Linear and Hugging Face's GPT-2
+Conv1D), so merged projections (Phi-3's qkv_proj) and biases' absence need no special cases; a mixture of
+experts would be over-counted (every expert counted), which no preset has.
+
+The peak is the best of square GEMMs per dtype: fp32 and bf16 `torch.mm`, int8 `torch._int_mm`
+(int8 x int8 → int32), timed at the start of the run and once more in every measured round (PeakMeter). The
+best, not the median, because other work on a shared machine can only slow a GEMM down. A variant is bounded by the peak of the dtype its GEMMs run in (fp32, bf16 or int8) for all of its
+FLOPs, attention included; so an int8 variant's bound is optimistic where its attention stays in floating point.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+PEAK_DTYPES = ("fp32", "bf16", "int8")
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """What the FLOP formula needs from a model."""
+
+    linear_shapes: tuple[tuple[int, int], ...]  # (in, out) of every linear layer except the lm_head
+    lm_head: tuple[int, int]  # (in, out)
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    # Per layer: the sliding window in tokens, or None for full causal attention.
+    windows: tuple[Optional[int], ...]
+
+
+def _linear_in_out(module: torch.nn.Module) -> Optional[tuple[int, int]]:
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and hasattr(module, "weight") and module.weight.dim() == 2:
+        in_features, out_features = module.weight.shape  # HF GPT-2 Conv1D: y = x @ W, W is (in, out)
+        return int(in_features), int(out_features)
+    return None
+
+
+def _layer_windows(config, num_layers: int) -> tuple[Optional[int], ...]:
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or not getattr(config, "use_sliding_window", True):
+        return (None,) * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) == num_layers:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (window,) * num_layers
+
+
+def describe_prefill(model: torch.nn.Module) -> PrefillShape:
+    config = model.config
+    head = model.get_output_embeddings()
+    head_shape = _linear_in_out(head) if head is not None else None
+    if head_shape is None:
+        raise ValueError(f"{type(model).__name__} has no linear output embedding (lm_head) to count")
+    linear = tuple(
+        shape for module in model.modules() if module is not head and (shape := _linear_in_out(module)) is not None
+    )
+    num_layers = int(config.num_hidden_layers)
+    num_heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return PrefillShape(linear, head_shape, num_layers, num_heads, int(head_dim), _layer_windows(config, num_layers))
+
+
+def causal_pairs(seq: int, window: Optional[int] = None) -> int:
+    """How many (query, key) pairs causal attention over `seq` tokens computes: Σ_{i=1..seq} min(i, window)."""
+    if window is None or window >= seq:
+        return seq * (seq + 1) // 2
+    return window * (window + 1) // 2 + (seq - window) * window
+
+
+def prefill_flops(shape: PrefillShape, seq: int) -> int:
+    linear = 2 * seq * sum(i * o for i, o in shape.linear_shapes)
+    attention = sum(4 * shape.num_heads * shape.head_dim * causal_pairs(seq, w) for w in shape.windows)
+    lm_head = 2 * shape.lm_head[0] * shape.lm_head[1]
+    return linear + attention + lm_head
+
+
+@dataclass(frozen=True)
+class GemmPeak:
+    dtype: str
+    gflops: Optional[float]  # GFLOP/s (GOP/s for int8); None when it could not be measured
+    op: str
+    size: int  # the GEMM is size x size x size
+    error: Optional[str] = None
+    samples: int = 0  # how many timed GEMMs the best was taken from
+
+
+_OPERAND_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+class PeakMeter:
+    """The best GEMM throughput per dtype seen so far in this run.
+
+    `sample()` times one more GEMM per dtype. The bench samples at the start and again in every measured round,
+    so the peak is taken over the same stretch of time as the TTFTs: a peak measured only while the machine was
+    busy would inflate the bound (and push efficiencies above 1) once the load goes away.
+    """
+
+    def __init__(self, *, device: str = "cpu", size: int = 2048, dtypes: tuple[str, ...] = PEAK_DTYPES):
+        self.device = device
+        self.size = size
+        self._operands: dict[str, tuple] = {}
+        self._best: dict[str, float] = {}
+        self._samples: dict[str, int] = {d: 0 for d in dtypes}
+        self._errors: dict[str, str] = {}
+        for dtype in dtypes:
+            try:
+                self._operands[dtype] = self._make_operands(dtype)
+                self._time(dtype)  # warm-up: library initialisation and first-touch page faults
+            except Exception as exc:  # e.g. no int8 GEMM on this device
+                self._operands.pop(dtype, None)
+                self._errors[dtype] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+    def _make_operands(self, dtype: str) -> tuple:
+        n, device = self.size, self.device
+        if dtype == "int8":
+            a = torch.randint(-128, 128, (n, n), dtype=torch.int8, device=device)
+            b = torch.randint(-128, 128, (n, n), dtype=torch.int8, device=device)
+            return torch._int_mm, a, b
+        a = torch.randn(n, n, device=device).to(_OPERAND_DTYPES[dtype])
+        b = torch.randn(n, n, device=device).to(_OPERAND_DTYPES[dtype])
+        return torch.mm, a, b
+
+    def _time(self, dtype: str) -> float:
+        from ttftc.bench.timing import time_call
+
+        fn, a, b = self._operands[dtype]
+        return time_call(fn, a, b, device=self.device)
+
+    def sample(self, repeats: int = 1) -> None:
+        resolution = time.get_clock_info("perf_counter").resolution
+        for dtype in self._operands:
+            for _ in range(repeats):
+                gflops = 2.0 * self.size**3 / max(self._time(dtype), resolution) / 1e9
+                self._best[dtype] = max(self._best.get(dtype, 0.0), gflops)
+                self._samples[dtype] += 1
+
+    def peaks(self) -> dict[str, GemmPeak]:
+        return {
+            d: GemmPeak(d, self._best.get(d), "torch._int_mm" if d == "int8" else "torch.mm", self.size,
+                        self._errors.get(d), self._samples[d])
+            for d in self._samples
+        }
+
+
+def measure_gemm_peak(dtype: str, *, device: str = "cpu", size: int = 2048, repeats: int = 4) -> GemmPeak:
+    meter = PeakMeter(device=device, size=size, dtypes=(dtype,))
+    meter.sample(max(1, repeats))
+    return meter.peaks()[dtype]
+
+
+def measure_peaks(*, device: str = "cpu", size: int = 2048, repeats: int = 4) -> dict[str, GemmPeak]:
+    meter = PeakMeter(device=device, size=size)
+    meter.sample(max(1, repeats))
+    return meter.peaks()
+
+
+def bound_ms(flops: int, peak: Optional[GemmPeak]) -> Optional[float]:
+    if peak is None or not peak.gflops:
+        return None
+    return flops / (peak.gflops * 1e9) * 1e3

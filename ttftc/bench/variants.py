@@ -1,0 +1,170 @@
+"""The compared variants: how each one turns the loaded model into a prefill callable.
+
+    eager-sdpa     Hugging Face model as is, SDPA attention
+    eager-attn     Hugging Face "eager" attention (matmul, softmax, matmul)
+    inductor       torch.compile default (Inductor), fp32
+    inductor-bf16  torch.compile default on the model converted to bf16
+    torchao-int8   torchao Int8DynamicActivationInt8WeightConfig (every linear, lm_head included), under Inductor;
+                   skipped when torchao is not installed
+    ttftc-fp32     torch.compile with ttftc.backend(Config(precision="fp32")); likewise ttftc-bf16, ttftc-int8
+
+Any ttftc Config can also be named directly: `ttftc[passes=attention+ffn,precision=bf16]` (passes: `all`,
+`none`, or pass names joined by `+`). The ablation uses that form.
+
+Every compiled variant compiles its own module object (see `ModelSource.instance`), with Dynamo's default
+settings (automatic dynamic shapes: the second distinct length recompiles with a symbolic sequence length).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from ttftc.bench.errors import BenchInputError
+from ttftc.bench.models import ModelSource, prefill
+
+
+@dataclass
+class Prepared:
+    """A built variant: the model to call (compiled or eager) and, after it ran, what is worth recording."""
+
+    model: Callable[..., Any]
+    details: Callable[[], dict] = field(default=lambda: {})
+
+    def prefill(self, ids: torch.Tensor) -> Any:
+        return prefill(self.model, ids)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    dtype: str  # whose GEMM peak bounds it: "fp32" | "bf16" | "int8"
+    description: str
+    build: Callable[[ModelSource], Prepared]
+    compiles: bool = False  # goes through torch.compile (counts against Dynamo's recompile limit)
+    skip_reason: Callable[[], Optional[str]] = lambda: None  # None when it can run here
+
+
+def _eager(attn: str) -> Callable[[ModelSource], Prepared]:
+    def build(source: ModelSource) -> Prepared:
+        return Prepared(source.instance(attn=attn))
+
+    return build
+
+
+def _inductor(dtype: torch.dtype) -> Callable[[ModelSource], Prepared]:
+    def build(source: ModelSource) -> Prepared:
+        compiled = torch.compile(source.instance(dtype=dtype))
+        return Prepared(compiled)
+
+    return build
+
+
+def _torchao_missing() -> Optional[str]:
+    return None if importlib.util.find_spec("torchao") is not None else "torchao not installed"
+
+
+def _torchao_int8(source: ModelSource) -> Prepared:
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    model = source.instance()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())  # replaces the copy's weights, not the shared ones
+    compiled = torch.compile(model)
+    return Prepared(compiled)
+
+
+def _ttftc(config_kwargs: dict) -> Callable[[ModelSource], Prepared]:
+    def build(source: ModelSource) -> Prepared:
+        import ttftc
+
+        backend = ttftc.backend(ttftc.Config(**config_kwargs))
+        compiled = torch.compile(source.instance(), backend=backend)
+
+        def details() -> dict:
+            report = backend.report()
+            return {"ttftc_pass_matches": dict(report.pass_counts), "ttftc_graphs": report.graphs}
+
+        return Prepared(compiled, details)
+
+    return build
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("eager-sdpa", "fp32", "eager, SDPA attention", _eager("sdpa")),
+        Variant("eager-attn", "fp32", 'eager, HF "eager" attention', _eager("eager")),
+        Variant("inductor", "fp32", "torch.compile (Inductor), fp32", _inductor(torch.float32), compiles=True),
+        Variant("inductor-bf16", "bf16", "torch.compile (Inductor), model in bf16", _inductor(torch.bfloat16),
+                compiles=True),
+        Variant("torchao-int8", "int8", "torchao int8 dynamic activation + int8 weight, Inductor", _torchao_int8,
+                compiles=True, skip_reason=_torchao_missing),
+        Variant("ttftc-fp32", "fp32", "ttftc, precision fp32", _ttftc({"precision": "fp32"}), compiles=True),
+        Variant("ttftc-bf16", "bf16", "ttftc, precision bf16", _ttftc({"precision": "bf16"}), compiles=True),
+        Variant("ttftc-int8", "int8", "ttftc, precision int8 (W8A8)", _ttftc({"precision": "int8"}), compiles=True),
+    )
+}
+
+DEFAULT_VARIANTS = tuple(VARIANTS)
+
+
+def ttftc_spec(passes: tuple[str, ...] | str, precision: str = "fp32") -> str:
+    """The variant name for a ttftc Config, e.g. `ttftc[passes=attention+ffn,precision=fp32]`."""
+    if isinstance(passes, str):
+        passes_text = passes
+    else:
+        passes_text = "+".join(passes) if passes else "none"
+    return f"ttftc[passes={passes_text},precision={precision}]"
+
+
+def _parse_ttftc_spec(name: str) -> Variant:
+    body = name[len("ttftc["):-1]
+    fields: dict[str, str] = {}
+    for item in filter(None, body.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in ("passes", "precision"):
+            raise BenchInputError(
+                f"malformed variant {name!r}: expected ttftc[passes=a+b|all|none,precision=fp32|bf16|int8]"
+            )
+        fields[key.strip()] = value.strip()
+    passes_text = fields.get("passes", "all")
+    passes: Any = "all" if passes_text == "all" else () if passes_text == "none" else tuple(passes_text.split("+"))
+    precision = fields.get("precision", "fp32")
+    import ttftc
+
+    try:
+        ttftc.Config(passes=passes, precision=precision)  # validates pass names and precision
+    except ValueError as exc:
+        raise BenchInputError(f"variant {name!r}: {exc}") from None
+    dtype = precision if precision in ("bf16", "int8") else "fp32"
+    kwargs = {"passes": passes, "precision": precision}
+    return Variant(name, dtype, f"ttftc, passes={passes_text}, precision={precision}", _ttftc(kwargs), compiles=True)
+
+
+def get_variant(name: str) -> Variant:
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if name.startswith("ttftc[") and name.endswith("]"):
+        return _parse_ttftc_spec(name)
+    raise BenchInputError(
+        f"unknown variant {name!r}; variants: {', '.join(VARIANTS)}, or ttftc[passes=...,precision=...]"
+    )
+
+
+def split_variant_list(text: str) -> list[str]:
+    """Split a comma-separated variant list, keeping the commas inside `ttftc[...]` together."""
+    names, depth, current = [], 0, []
+    for ch in text:
+        if ch == "," and depth == 0:
+            names.append("".join(current).strip())
+            current = []
+            continue
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        current.append(ch)
+    names.append("".join(current).strip())
+    if any(not n for n in names) or depth != 0:
+        raise BenchInputError(f"malformed variant list {text!r}: expected names separated by commas")
+    return names

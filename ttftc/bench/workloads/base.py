@@ -1,0 +1,91 @@
+"""The workload plug-in interface: Request, WorkloadContext, ServeTarget and the Workload base class.
+
+See the package docstring (ttftc/bench/workloads/__init__.py) for how to write a plug-in.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt sent to the server.
+
+    ids:        (1, L) prompt token ids, on the benchmark device.
+    arrival_s:  when it arrives, in seconds from the start of the run; its TTFT then counts from the arrival,
+                so time spent queued behind earlier requests is included. None: it is issued as soon as the
+                previous request finished (back to back). A workload uses arrival times for all its requests
+                or for none.
+    session:    a conversation or tenant key, for servers that keep state per session (prefix caches).
+    measured:   False for set-up requests (e.g. a turn that fills a cache) whose TTFT is not reported.
+    """
+
+    ids: torch.Tensor
+    arrival_s: Optional[float] = None
+    session: Optional[str] = None
+    measured: bool = True
+
+
+@dataclass(frozen=True)
+class WorkloadContext:
+    """What the harness tells a workload for one run."""
+
+    seq: int  # the nominal prompt length of this row of the report (--seq)
+    vocab_size: int
+    seed: int  # differs per measured repeat; warm-up runs use their own seeds
+    device: str = "cpu"
+
+    def prompt(self, length: int, *, seed: int) -> torch.Tensor:
+        """A (1, length) prompt of random token ids, fixed by `seed` (the single-prompt workload uses seed 0)."""
+        from ttftc.bench.models import example_prompt
+
+        return example_prompt(self.vocab_size, length, seed=seed, device=self.device)
+
+
+@dataclass(frozen=True)
+class ServeTarget:
+    """The variant under test, as a workload's server sees it.
+
+    model:    the (compiled or eager) Hugging Face model; call it with any keyword arguments, e.g.
+              `model(input_ids=suffix, past_key_values=kv, logits_to_keep=1)` to reuse a cached prefix.
+    prefill:  the plain first-token forward over a whole prompt (ttftc.bench.models.prefill on `model`).
+    variant:  the variant's name, for servers that need to know.
+    """
+
+    model: Callable[..., Any]
+    prefill: Callable[[torch.Tensor], Any]
+    variant: str
+    device: str = "cpu"
+
+
+Server = Callable[[Request], Any]
+
+
+class Workload(abc.ABC):
+    """A plug-in: subclass, set `name` and `description`, implement `requests`, decorate with @register_workload."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def requests(self, ctx: WorkloadContext) -> Sequence[Request]:
+        """The requests of one run, in issue order (or with arrival times)."""
+
+    def make_server(self, target: ServeTarget) -> Server:
+        """A fresh server for one run. Called once per run (every warm-up and every measured repeat), so any
+        state it keeps (a prefix cache) starts empty each run and nothing leaks from warm-up into a measurement.
+        The default is stateless: every request is a full prefill of its prompt."""
+        return lambda request: target.prefill(request.ids)
+
+    def replay(self, requests: Sequence[Request], server: Server, *, device: str = "cpu") -> list[float]:
+        """TTFT in seconds of every measured request. The default serves one request at a time
+        (ttftc.bench.workloads.replay). A workload whose server interleaves requests (a step scheduler mixing
+        prefill chunks with decodes) overrides this: one-at-a-time replay cannot show that overlap."""
+        from ttftc.bench.workloads.replay import replay
+
+        return replay(requests, server, device=device)

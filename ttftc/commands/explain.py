@@ -1,0 +1,67 @@
+"""`ttftc explain MODEL`: what every ttftc pass did to MODEL's prefill graph at one prompt length."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"malformed --seq {text!r}: expected one positive integer")
+    return int(text)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "explain",
+        help="print ttftc's pass matches, rejections, op counts and lowering for a model's prefill",
+        description="Compile MODEL's prefill (batch 1, logits of the last token) with ttftc at one prompt "
+        "length and print the explain table. MODEL is a preset or a local Hugging Face model directory.",
+    )
+    p.add_argument("model", metavar="MODEL", help="preset name or local model directory")
+    p.add_argument("--seq", type=_positive, default=128, help="prompt length (default 128)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32")
+    p.add_argument("--passes", default="all", help="all (default), none, or pass names separated by commas")
+    p.add_argument("--provider", choices=("auto", "reference", "triton", "cpu", "npu"), default="auto")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import torch
+
+    import ttftc
+    from ttftc.bench import BenchInputError
+    from ttftc.bench.models import PREFILL_KWARGS, example_prompt, load_model, max_positions, model_config, resolve_model
+    from ttftc.bench.roofline import bound_ms, describe_prefill, measure_gemm_peak, prefill_flops
+    from ttftc.commands import UsageError
+
+    try:
+        spec = resolve_model(args.model)
+    except BenchInputError as exc:
+        raise UsageError(str(exc)) from None
+    limit = max_positions(model_config(spec))
+    if limit is not None and args.seq > limit:
+        raise UsageError(f"--seq {args.seq} does not fit the model's {limit} positions")
+    if args.passes == "all":
+        passes = "all"
+    elif args.passes == "none":
+        passes = ()
+    else:
+        passes = tuple(p.strip() for p in args.passes.split(",") if p.strip())
+    try:
+        config = ttftc.Config(passes=passes, precision=args.precision, provider=args.provider)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    model = load_model(spec)
+    ids = example_prompt(model.config.vocab_size, args.seq)
+    report = ttftc.explain(model, ids, config=config, **PREFILL_KWARGS)
+    print(f"{spec.name}, prefill of {args.seq} tokens (logits of the last token), {config}")
+    print(report)
+    flops = prefill_flops(describe_prefill(model), args.seq)
+    peak = measure_gemm_peak(args.precision, size=1024, repeats=3)
+    print(f"roofline: {flops / 1e9:.3f} GFLOP per prefill (linear layers, causal attention, lm_head on one token)")
+    if peak.gflops:
+        print(f"roofline: {args.precision} GEMM peak measured now {peak.gflops:.0f} G/s "
+              f"({peak.op} {peak.size}^3) -> predicted TTFT >= {bound_ms(flops, peak):.2f} ms")
+    torch._dynamo.reset()
+    return 0
