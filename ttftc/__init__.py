@@ -16,9 +16,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "Config": "ttftc.config",
     "Report": "ttftc.report",
-    "TtftcBackend": "ttftc.backend",
-    "backend": "ttftc.backend",
-    "ttftc_backend": "ttftc.backend",
+    "TtftcBackend": "ttftc.dynamo_backend",
+    "backend": "ttftc.dynamo_backend",
+    "ttftc_backend": "ttftc.dynamo_backend",
     "compile": "ttftc.api",
     "explain": "ttftc.api",
     "load": "ttftc.aot.build",

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ttftc.backend import TtftcBackend
+from ttftc.dynamo_backend import TtftcBackend
 from ttftc.config import Config
 from ttftc.report import Report
 

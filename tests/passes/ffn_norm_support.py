@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 import ttftc
-from ttftc.backend import TtftcBackend
+from ttftc.dynamo_backend import TtftcBackend
 
 aten = torch.ops.aten
 

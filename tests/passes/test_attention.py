@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import ttftc
 from ttftc import zoo
-from ttftc.backend import TtftcBackend
+from ttftc.dynamo_backend import TtftcBackend
 from tests.helpers import assert_logits_match, needs_transformers, zoo_cases
 
 ATTENTION_ONLY = ttftc.Config(passes=("attention",))

@@ -8,7 +8,7 @@ import torch
 
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.tuner import TuneResult, collect_problems, tune_instances
-from ttftc.backend import TtftcBackend
+from ttftc.dynamo_backend import TtftcBackend
 from ttftc.config import Config
 from ttftc.ops.registry import all_ops
 

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.exc import BackendCompilerFailed
 
-from ttftc.backend import TtftcBackend
+from ttftc.dynamo_backend import TtftcBackend
 from ttftc.buckets.plan import BucketPlan, plan_from_graph, refused
 from ttftc.buckets.program import GraphProgram, GraphSignature, output_names
 from ttftc.config import Config

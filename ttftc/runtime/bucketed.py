@@ -295,7 +295,7 @@ def named_outputs(flat) -> dict[str, torch.Tensor]:
 
 def dynamic_runner(model: torch.nn.Module, config: Config, logits: str, kv: bool) -> Callable[[dict], dict]:
     """The model compiled by ttftc with dynamic shapes (through Dynamo): the path for prompts with no bucket."""
-    from ttftc.backend import TtftcBackend
+    from ttftc.dynamo_backend import TtftcBackend
     from ttftc.buckets.capture import PrefillAdapter
 
     compiled = torch.compile(PrefillAdapter(model, logits=logits, kv=kv), backend=TtftcBackend(config), dynamic=True)
