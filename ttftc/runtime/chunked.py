@@ -1,0 +1,136 @@
+"""Chunked prefill of one request: the prompt's uncached tokens run chunk by chunk against the growing KV.
+
+Every forward sees at most one chunk of queries, so activations (hidden states, MLP intermediates, the
+[chunk x kv_len] attention scores) are bounded by the chunk size, and only the last position's logits are
+computed. A `PrefillJob` is resumable: the step scheduler advances it a few tokens per step between other requests'
+decode steps; `PrefillEngine.first_token` simply runs it to the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Hashable, Optional
+
+import torch
+
+from ttftc.runtime.kv import KVHandle, block_payload, cache_from_blocks, full_kv_layers, reserve
+from ttftc.runtime.prefix_cache import CacheLease
+from ttftc.runtime.sampling import Sampling
+
+if TYPE_CHECKING:
+    from ttftc.runtime.engine import PrefillEngine
+
+
+@dataclass
+class FirstToken:
+    """The result of a prefill: the first generated token, the logits it came from, and the KV to continue from.
+
+    `cached_tokens` prompt tokens were served from KV computed earlier (prefix cache or earlier turns);
+    `computed_tokens` went through the model now. The last prompt token is always among the computed ones.
+    """
+
+    token: int
+    logits: torch.Tensor
+    kv: KVHandle
+    cached_tokens: int
+    computed_tokens: int
+
+
+class PrefillJob:
+    """Prefill state of one request. Create it with `PrefillEngine.start` (new prompt) or `.start_extend`."""
+
+    def __init__(self, engine: "PrefillEngine", token_ids: list[int], *, tenant: Hashable, sampling: Sampling,
+                 handle: Optional[KVHandle] = None):
+        self.engine = engine
+        self.token_ids = token_ids
+        self.tenant = tenant
+        self.sampling = sampling
+        self._match: Optional[CacheLease] = None
+        self._handle = handle
+        self._logits: Optional[torch.Tensor] = None
+        self.result: Optional[FirstToken] = None
+        self.cancelled = False
+        if handle is not None:
+            # Extending live KV (the next turn of a chat): everything already in the handle counts as cached.
+            self._kv = handle.cache
+            self.position = handle.seq_len
+            reserve(self._kv, len(token_ids))
+        else:
+            cache = engine.prefix_cache
+            if cache is not None:
+                # Never serve the last prompt token from cache: its logits are the whole point of the prefill.
+                self._match = cache.match(token_ids, tenant=tenant, max_tokens=len(token_ids) - 1)
+                blocks = self._match.blocks
+            else:
+                blocks = ()
+            self._kv = cache_from_blocks(engine.model, blocks, capacity=len(token_ids))
+            self.position = self._match.num_tokens if self._match is not None else 0
+        self.cached_tokens = self.position
+
+    @property
+    def remaining(self) -> int:
+        return len(self.token_ids) - self.position
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def advance(self, max_tokens: Optional[int] = None) -> Optional[FirstToken]:
+        """Run ONE forward over the next `max_tokens` uncached tokens (all of them when None).
+
+        Returns the FirstToken once the whole prompt is in the KV, else None.
+        """
+        if self.cancelled:
+            raise RuntimeError("this prefill job was cancelled")
+        if self.result is not None:
+            return self.result
+        n = self.remaining if max_tokens is None else min(int(max_tokens), self.remaining)
+        if n < 1:
+            raise ValueError(f"a prefill step needs at least one token, got max_tokens={max_tokens}")
+        start = self.position
+        self._logits = self.engine._forward(self.token_ids[start:start + n], self._kv, start)
+        self.position += n
+        if self._handle is not None:
+            self._handle.token_ids.extend(self.token_ids[start:start + n])
+        if self.remaining == 0:
+            self.result = self._finish()
+        return self.result
+
+    def run(self, chunk_size: Optional[int] = None) -> FirstToken:
+        """Advance chunk by chunk to the end."""
+        while self.result is None:
+            self.advance(chunk_size)
+        return self.result
+
+    def cancel(self) -> None:
+        """Give up: drop the KV and any lease. The handle of an extend job stays valid up to what was computed."""
+        self.cancelled = True
+        if self._match is not None:
+            self._match.release_if_held()
+        self._kv = None
+
+    def _finish(self) -> FirstToken:
+        logits = self._logits
+        token = self.sampling.pick(logits, self.sampling.generator())
+        lease = self._insert()
+        if self._match is not None:
+            self._match.release()
+            self._match = None
+        handle = self._handle
+        if handle is None:
+            handle = KVHandle(self._kv, list(self.token_ids), self.tenant, lease)
+        elif lease is not None:
+            handle.replace_lease(lease)
+        self._kv = None
+        return FirstToken(token=token, logits=logits, kv=handle, cached_tokens=self.cached_tokens,
+                          computed_tokens=len(self.token_ids) - self.cached_tokens)
+
+    def _insert(self) -> Optional[CacheLease]:
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return None
+        layers = full_kv_layers(self._kv, len(self.token_ids))
+        if layers is None:
+            return None
+        bs = cache.block_size
+        return cache.insert(self.token_ids, lambda i: block_payload(layers, i * bs, (i + 1) * bs), tenant=self.tenant)

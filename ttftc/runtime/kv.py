@@ -1,0 +1,281 @@
+"""KV state of one request: the model's geometry, the block layout the prefix cache stores, and the KV handle.
+
+A cached block is ONE tensor of shape [num_layers, 2 (key, value), kv_heads, block_size, head_dim]: one allocation
+per block keeps byte accounting exact (evicting a block frees exactly its bytes; no block is a view that keeps a
+bigger tensor alive).
+
+The live KV of a request is a transformers `DynamicCache` (shape [1, kv_heads, seq, head_dim] per layer), so the
+handle can be passed straight to `model.generate(..., past_key_values=...)`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Hashable, Optional, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ttftc.runtime.prefix_cache import CacheLease, LeaseReleasedError
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The eager module behind a torch.compile wrapper (which shares its weights)."""
+    return getattr(model, "_orig_mod", model)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    vocab_size: int
+    max_positions: Optional[int]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelGeometry":
+        base = unwrap_model(model)
+        config = getattr(base, "config", None)
+        if config is None:
+            raise TypeError(
+                f"PrefillEngine needs a transformers causal LM (a module with a .config), got {type(base).__name__}"
+            )
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        param = next(base.parameters())
+        return cls(
+            num_layers=text.num_hidden_layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=param.dtype,
+            vocab_size=text.vocab_size,
+            max_positions=getattr(text, "max_position_embeddings", None),
+        )
+
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * itemsize
+
+    def block_bytes(self, block_size: int) -> int:
+        return self.bytes_per_token() * block_size
+
+
+class GrowableLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values are a prefix view of a buffer with spare capacity.
+
+    DynamicLayer appends by concatenating the whole past again, so a prompt prefilled in C-token chunks copies
+    O(L^2 / C) KV bytes, and a warm prefix is copied once more by the first suffix chunk. Here an append is one
+    in-place write. `keys`/`values` stay ordinary tensors (views), so attention and `generate` see a plain
+    DynamicLayer; when anything else replaced them (crop, beam reorder, batch select) the layer adopts the
+    new tensors on the next append.
+    """
+
+    def __init__(self, capacity: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.capacity_hint = capacity
+        self._key_buffer: Optional[torch.Tensor] = None
+        self._value_buffer: Optional[torch.Tensor] = None
+
+    def _buffers_in_sync(self) -> bool:
+        kb = self._key_buffer
+        if kb is None or self.keys is None:
+            return False
+        if kb.is_inference() and not torch.is_inference_mode_enabled():
+            return False  # an inference tensor cannot be written in place outside inference mode
+        k = self.keys
+        return (k.data_ptr() == kb.data_ptr() and k.shape[:2] == kb.shape[:2] and k.shape[-1] == kb.shape[-1]
+                and k.stride() == kb.stride())
+
+    def _reallocate(self, capacity: int) -> None:
+        keys, values = self.keys, self.values
+        b, h, n, d = keys.shape
+        kb = keys.new_empty((b, h, capacity, d))
+        vb = values.new_empty((b, h, capacity, values.shape[-1]))
+        kb[:, :, :n].copy_(keys)
+        vb[:, :, :n].copy_(values)
+        self._key_buffer, self._value_buffer = kb, vb
+        self.keys, self.values = kb[:, :, :n], vb[:, :, :n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+            self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+        old = self.keys.shape[-2]
+        new = old + key_states.shape[-2]
+        if not self._buffers_in_sync() or new > self._key_buffer.shape[-2]:
+            # Grow geometrically (decode appends one token at a time) but never below the requested capacity.
+            self._reallocate(max(new, self.capacity_hint, old + old // 4 + 64))
+        self._key_buffer[:, :, old:new].copy_(key_states)
+        self._value_buffer[:, :, old:new].copy_(value_states)
+        self.keys = self._key_buffer[:, :, :new]
+        self.values = self._value_buffer[:, :, :new]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._key_buffer = self._value_buffer = None
+        super().reset()
+
+
+def growable_kv_supported(model: torch.nn.Module) -> bool:
+    """Whether `model` may get GrowableLayer caches: plain eager modules only.
+
+    Under torch.compile the layer's buffer and its prefix view reach the graph as two aliased, mutated inputs.
+    aot_eager handles that, but with the ttftc backend the logits came out wrong (its weight freezing maps
+    placeholders to inputs by index), so compiled models keep transformers' own DynamicLayer.
+    """
+    return unwrap_model(model) is model
+
+
+def new_cache(model: torch.nn.Module, capacity: int = 0):
+    """An empty DynamicCache for `model`, with room for `capacity` tokens in its full-attention layers."""
+    # With the config, sliding-window models get their sliding layers, exactly as in the model's own forward.
+    cache = DynamicCache(config=unwrap_model(model).config)
+    if not growable_kv_supported(model):
+        return cache
+    if cache.layers:
+        cache.layers = [GrowableLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    else:
+        cache.layer_class_to_replicate = lambda: GrowableLayer(capacity)
+    return cache
+
+
+def reserve(cache, total_tokens: int) -> None:
+    """Make the next append grow the full-attention layers straight to `total_tokens` (one copy, not several)."""
+    for layer in cache.layers:
+        if isinstance(layer, GrowableLayer):
+            layer.capacity_hint = max(layer.capacity_hint, total_tokens)
+
+
+def cache_from_blocks(model: torch.nn.Module, blocks: Sequence[torch.Tensor], capacity: int = 0):
+    """A DynamicCache holding the KV of `blocks` (possibly none), with room for `capacity` tokens in all."""
+    cache = new_cache(model, capacity)
+    if not blocks:
+        return cache
+    num_layers = blocks[0].shape[0]
+    if len(cache.layers) not in (0, num_layers):
+        raise ValueError(f"cached blocks have {num_layers} layers, the model's cache has {len(cache.layers)}")
+    cached = sum(b.shape[3] for b in blocks)
+    for layer_idx in range(num_layers):
+        layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+        if isinstance(layer, GrowableLayer):
+            # Copy each block straight into the layer's buffer: one copy, no intermediate concatenation.
+            _, _, heads, _, head_dim = blocks[0].shape
+            keys = blocks[0].new_empty((1, heads, max(capacity, cached), head_dim))
+            values = torch.empty_like(keys)
+            pos = 0
+            for b in blocks:
+                n = b.shape[3]
+                keys[0, :, pos:pos + n].copy_(b[layer_idx, 0])
+                values[0, :, pos:pos + n].copy_(b[layer_idx, 1])
+                pos += n
+            layer.lazy_initialization(keys, values)
+            layer._key_buffer, layer._value_buffer = keys, values
+            layer.keys, layer.values = keys[:, :, :cached], values[:, :, :cached]
+        else:
+            keys = torch.cat([b[layer_idx, 0] for b in blocks], dim=1).unsqueeze(0)
+            values = torch.cat([b[layer_idx, 1] for b in blocks], dim=1).unsqueeze(0)
+            if layer is not None and type(layer) is DynamicLayer:
+                # Adopt the fresh tensors: `update` would concatenate them once more onto an empty tensor.
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+            else:
+                cache.update(keys, values, layer_idx)
+    return cache
+
+
+def full_kv_layers(cache, seq_len: int) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per-layer (keys, values) covering all `seq_len` tokens, or None when some layer keeps less (a sliding
+    window that already dropped old tokens): such KV cannot be cached as a prefix."""
+    out = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is None or values is None or keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[-2] != seq_len:
+            return None
+        out.append((keys, values))
+    return out or None
+
+
+def block_payload(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, stop: int) -> torch.Tensor:
+    """A fresh [num_layers, 2, kv_heads, stop-start, head_dim] copy (never a view of the live cache)."""
+    return torch.stack([torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in layers])
+
+
+class KVHandle:
+    """The KV of one request: `token_ids` are the tokens whose keys/values are in `cache`.
+
+    The handle may hold a prefix-cache lease on the prompt's blocks; `release()` (or leaving a `with` block) drops
+    it and the KV. A second `release()` raises LeaseReleasedError. A handle that is garbage-collected unreleased
+    gives its lease back, so a forgotten handle cannot pin cache blocks forever.
+
+    Continue decoding either with `PrefillEngine.decode_step` / `generate`, or with transformers:
+        out = model.generate(**handle.generate_inputs(first.token), max_new_tokens=n)
+    which mutates `cache`; a handle supports one continuation.
+    """
+
+    def __init__(self, cache, token_ids: list[int], tenant: Hashable, lease: Optional[CacheLease] = None):
+        self.cache = cache
+        self.token_ids = token_ids
+        self.tenant = tenant
+        self._lease = lease
+        self._released = False
+        self._finalizer = weakref.finalize(self, CacheLease.release_if_held, lease) if lease is not None else None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def lease(self) -> Optional[CacheLease]:
+        return self._lease
+
+    def replace_lease(self, lease: Optional[CacheLease]) -> None:
+        """Hold `lease` instead of the current one (a longer chain after the KV grew)."""
+        self._check_live()
+        old, old_finalizer = self._lease, self._finalizer
+        self._lease = lease
+        self._finalizer = weakref.finalize(self, CacheLease.release_if_held, lease) if lease is not None else None
+        if old_finalizer is not None:
+            old_finalizer.detach()
+        if old is not None:
+            old.release_if_held()
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise LeaseReleasedError("this KV handle was released")
+
+    def release(self) -> None:
+        if self._released:
+            raise LeaseReleasedError("this KV handle was already released")
+        self._released = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._lease is not None:
+            self._lease.release()
+        self.cache = None
+
+    def generate_inputs(self, next_token: int) -> dict:
+        """kwargs for `model.generate` that continue after `next_token` (the token just produced)."""
+        self._check_live()
+        ids = torch.tensor([self.token_ids + [int(next_token)]], dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "past_key_values": self.cache}
+
+    def __enter__(self) -> "KVHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._released:
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"{self.seq_len} tokens"
+        return f"KVHandle({state}, tenant={self.tenant!r})"

@@ -1,0 +1,395 @@
+"""A prompt cache: KV blocks keyed by the token prefix that produced them, with tenant isolation.
+
+Structure: one radix tree per namespace. A node holds one FULL block of `block_size` token ids (the edge label) and
+the KV payload that the model produced for those tokens *given every token above it*. A path from the root spells
+a prompt prefix, so the longest match is a walk down the tree. Only full blocks are cached: a partial block would
+have to be copied on every extension and cannot be shared safely.
+
+Namespaces: the namespace of a request is its `tenant`. Two tenants never share a node, so a tenant can never learn
+(by a faster first token) that another tenant sent a prefix. Prompt-cache timing is a real side channel (InputSnatch,
+PromptPeek); the tenant must therefore come from the host application's notion of identity, never from a field the
+client controls. A host that wants to share, say, a public system prompt across its users passes the same tenant
+for them on purpose.
+
+Lifetime: `match` and `insert` return a `CacheLease` that holds one reference on every block of its chain. A block
+with references is never evicted. Unreferenced leaves are evicted least recently used first when an insert needs
+room, so a chain shrinks from its tail and a prefix is never orphaned. Releasing a lease twice raises
+`LeaseReleasedError`; it never decrements twice.
+
+Thread safety: one lock guards the tree. `insert` builds the payloads of the blocks it is missing outside the lock
+(copying KV is the slow part), then re-walks the tree under the lock and keeps whatever another thread inserted
+meanwhile, so a race costs a wasted copy, never a duplicate or a torn chain.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Callable, Hashable, Optional, Sequence
+
+import torch
+
+DEFAULT_BLOCK_SIZE = 16
+
+BlockPayload = torch.Tensor
+MakeBlock = Callable[[int], BlockPayload]
+
+
+class LeaseReleasedError(RuntimeError):
+    """A lease (or a KV handle) was released twice."""
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """A consistent snapshot. Queried and hit tokens count every `match` since construction."""
+
+    queries: int
+    query_tokens: int
+    hit_tokens: int
+    inserted_blocks: int
+    evicted_blocks: int
+    blocks_held: int
+    bytes_held: int
+    budget_bytes: int
+    block_size: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class _Node:
+    __slots__ = ("key", "payload", "nbytes", "parent", "children", "refs", "last_access")
+
+    def __init__(self, key: tuple[int, ...], payload: Optional[BlockPayload], nbytes: int,
+                 parent: Optional["_Node"]):
+        self.key = key
+        self.payload = payload
+        self.nbytes = nbytes
+        self.parent = parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.refs = 0
+        self.last_access = 0
+
+
+class CacheLease:
+    """References on a chain of cached blocks: the first `num_tokens` tokens of a prompt.
+
+    `blocks` are the KV payloads in prompt order. Hold the lease while the KV is in use; `release()` it after.
+    """
+
+    def __init__(self, cache: "PrefixCache", nodes: list[_Node], tenant: Hashable):
+        self._cache = cache
+        self._nodes = nodes
+        self.tenant = tenant
+        self.blocks: tuple[BlockPayload, ...] = tuple(n.payload for n in nodes)  # type: ignore[misc]
+        self.num_tokens = len(nodes) * cache.block_size
+        self.released = False
+
+    def release(self) -> None:
+        self._cache.release(self)
+
+    def release_if_held(self) -> None:
+        """Release unless already released: for finalizers and error paths, where a second release is expected."""
+        self._cache._release(self, strict=False)
+
+    def __enter__(self) -> "CacheLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release_if_held()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"CacheLease({self.num_tokens} tokens, tenant={self.tenant!r}, {state})"
+
+
+class PrefixCache:
+    """Longest-prefix KV reuse over full token blocks, under a byte budget, isolated per tenant.
+
+    `block_bytes` (the size of one block's payload) may be given up front; otherwise the first `bind` or `insert`
+    fixes it. Either way a budget that cannot hold a single block is refused with a ValueError.
+    """
+
+    def __init__(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE, *, block_bytes: Optional[int] = None):
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        self._lock = threading.RLock()
+        self._roots: dict[Hashable, _Node] = {}
+        self._block_bytes: Optional[int] = None
+        self._owner_id: Optional[int] = None
+        self._clock = itertools.count(1)
+        # Min-heap of (last_access, tiebreak, node) over evictable leaves; stale entries are skipped lazily.
+        self._evictable: list[tuple[int, int, _Node]] = []
+        self._tiebreak = itertools.count()
+        self._queries = self._query_tokens = self._hit_tokens = 0
+        self._inserted = self._evicted = 0
+        self._blocks_held = self._bytes_held = 0
+        if block_bytes is not None:
+            self._set_block_bytes(block_bytes)
+
+    # ---- configuration ------------------------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> Optional[int]:
+        return self._block_bytes
+
+    def bind(self, block_bytes: int, owner: object = None) -> None:
+        """Fix the payload size and, optionally, the model whose KV this cache holds.
+
+        KV is only meaningful for the weights that produced it, so one cache serves one model: binding a second,
+        different owner raises ValueError instead of silently serving one model's KV to another.
+        """
+        with self._lock:
+            if owner is not None:
+                if self._owner_id is not None and self._owner_id != id(owner):
+                    raise ValueError("this PrefixCache already holds KV of another model; use one cache per model")
+                self._owner_id = id(owner)
+            if self._block_bytes is None:
+                self._set_block_bytes(block_bytes)
+            elif self._block_bytes != block_bytes:
+                raise ValueError(
+                    f"this PrefixCache holds blocks of {self._block_bytes} bytes; a block of {block_bytes} bytes "
+                    "comes from a different model geometry"
+                )
+
+    def _set_block_bytes(self, block_bytes: int) -> None:
+        if not isinstance(block_bytes, int) or block_bytes < 1:
+            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        if block_bytes > self.budget_bytes:
+            raise ValueError(
+                f"PrefixCache budget of {self.budget_bytes} bytes cannot hold one block of {self.block_size} tokens "
+                f"({block_bytes} bytes); raise budget_bytes or lower block_size"
+            )
+        self._block_bytes = block_bytes
+
+    # ---- queries ------------------------------------------------------------------------------------------------
+
+    def _block_keys(self, tokens: Sequence[int], max_tokens: Optional[int]) -> list[tuple[int, ...]]:
+        limit = len(tokens) if max_tokens is None else max(0, min(len(tokens), max_tokens))
+        bs = self.block_size
+        return [tuple(int(t) for t in tokens[i * bs:(i + 1) * bs]) for i in range(limit // bs)]
+
+    def _walk(self, tenant: Hashable, keys: list[tuple[int, ...]]) -> list[_Node]:
+        node = self._roots.get(tenant)
+        chain: list[_Node] = []
+        if node is None:
+            return chain
+        for key in keys:
+            node = node.children.get(key)
+            if node is None:
+                break
+            chain.append(node)
+        return chain
+
+    def match(self, tokens: Sequence[int], *, tenant: Hashable = None, max_tokens: Optional[int] = None) -> CacheLease:
+        """Lease the longest cached prefix of `tokens` (at most `max_tokens` tokens, in whole blocks).
+
+        Counts len(tokens) queried tokens and the leased length as hit tokens.
+        """
+        keys = self._block_keys(tokens, max_tokens)
+        with self._lock:
+            chain = self._walk(tenant, keys)
+            self._acquire(chain)
+            lease = CacheLease(self, chain, tenant)
+            self._queries += 1
+            self._query_tokens += len(tokens)
+            self._hit_tokens += lease.num_tokens
+            return lease
+
+    def cached_tokens(self, tokens: Sequence[int], *, tenant: Hashable = None) -> int:
+        """How many leading tokens a `match` would serve now; takes no reference and counts nothing."""
+        keys = self._block_keys(tokens, None)
+        with self._lock:
+            return len(self._walk(tenant, keys)) * self.block_size
+
+    # ---- insertion ----------------------------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], make_block: MakeBlock, *, tenant: Hashable = None) -> CacheLease:
+        """Cache every full block of `tokens` that is not cached yet; lease the whole cached chain.
+
+        `make_block(i)` returns the payload of block i (tokens[i*bs:(i+1)*bs]); it is called only for missing
+        blocks and its tensor must not alias memory the caller keeps mutating. When the budget runs out (every
+        other block is referenced) insertion stops: the lease then covers a shorter prefix. Insertion never
+        counts as a query.
+        """
+        keys = self._block_keys(tokens, None)
+        with self._lock:
+            already = len(self._walk(tenant, keys))
+        built = {i: self._checked_payload(make_block(i)) for i in range(already, len(keys))}
+        with self._lock:
+            root = self._roots.get(tenant)
+            if root is None:
+                root = self._roots[tenant] = _Node((), None, 0, None)
+            node, chain = root, []
+            for i, key in enumerate(keys):
+                child = node.children.get(key)
+                if child is None:
+                    # Another thread may have evicted a block we saw as present: rebuild it here, rarely.
+                    payload = built.pop(i, None)
+                    if payload is None:
+                        payload = self._checked_payload(make_block(i))
+                    nbytes = int(payload.nbytes)
+                    # The chain built so far is referenced (acquired below as we go), so room-making can only
+                    # take other tenants' or other prompts' unreferenced leaves.
+                    if not self._make_room(nbytes):
+                        break
+                    child = _Node(key, payload, nbytes, node)
+                    node.children[key] = child
+                    self._blocks_held += 1
+                    self._bytes_held += nbytes
+                    self._inserted += 1
+                self._acquire([child])
+                chain.append(child)
+                node = child
+            # Room-making may have evicted this root's last child and dropped the root meanwhile.
+            if root.children:
+                self._roots[tenant] = root
+            else:
+                self._roots.pop(tenant, None)
+            return CacheLease(self, chain, tenant)
+
+    def _checked_payload(self, payload: BlockPayload) -> BlockPayload:
+        if not isinstance(payload, torch.Tensor):
+            raise TypeError(f"a block payload must be a torch.Tensor, got {type(payload).__name__}")
+        nbytes = int(payload.nbytes)
+        with self._lock:
+            if self._block_bytes is None:
+                self._set_block_bytes(nbytes)
+            elif nbytes != self._block_bytes:
+                raise ValueError(f"block payload of {nbytes} bytes; this cache holds blocks of {self._block_bytes}")
+        return payload
+
+    # ---- references and eviction ---------------------------------------------------------------------------------
+
+    def _acquire(self, chain: list[_Node]) -> None:
+        now = next(self._clock)
+        for node in chain:
+            node.refs += 1
+            node.last_access = now
+
+    def release(self, lease: CacheLease) -> None:
+        """Drop the lease's references. A second release raises LeaseReleasedError."""
+        self._release(lease, strict=True)
+
+    def _release(self, lease: CacheLease, *, strict: bool) -> None:
+        if lease._cache is not self:
+            raise ValueError("this lease belongs to another PrefixCache")
+        with self._lock:
+            if lease.released:
+                if strict:
+                    raise LeaseReleasedError(f"{lease!r} was already released")
+                return
+            lease.released = True
+            for node in lease._nodes:
+                node.refs -= 1
+                if node.refs == 0 and not node.children:
+                    self._push_evictable(node)
+
+    def _push_evictable(self, node: _Node) -> None:
+        heapq.heappush(self._evictable, (node.last_access, next(self._tiebreak), node))
+
+    def _is_evictable(self, node: _Node) -> bool:
+        return node.refs == 0 and not node.children and node.parent is not None and node.payload is not None
+
+    def _make_room(self, nbytes: int) -> bool:
+        while self._bytes_held + nbytes > self.budget_bytes:
+            if not self._evict_one():
+                return False
+        return True
+
+    def _evict_one(self) -> bool:
+        while self._evictable:
+            stamp, _, node = heapq.heappop(self._evictable)
+            if not self._is_evictable(node) or stamp != node.last_access:
+                continue  # stale: re-referenced, grew a child, already evicted, or touched since it was pushed
+            parent = node.parent
+            del parent.children[node.key]
+            node.parent = None
+            node.payload = None
+            self._blocks_held -= 1
+            self._bytes_held -= node.nbytes
+            self._evicted += 1
+            if parent.parent is not None and parent.refs == 0 and not parent.children:
+                self._push_evictable(parent)
+            elif parent.parent is None and not parent.children:
+                self._drop_empty_root(parent)
+            return True
+        return False
+
+    def _drop_empty_root(self, root: _Node) -> None:
+        for tenant, r in list(self._roots.items()):
+            if r is root:
+                del self._roots[tenant]
+                return
+
+    def evict(self, nbytes: int) -> int:
+        """Evict unreferenced leaves, least recently used first, until `nbytes` are freed or none is left.
+
+        Returns the bytes freed.
+        """
+        with self._lock:
+            start = self._bytes_held
+            while start - self._bytes_held < nbytes and self._evict_one():
+                pass
+            return start - self._bytes_held
+
+    def clear(self) -> int:
+        """Evict every unreferenced block; referenced ones stay. Returns the bytes freed."""
+        return self.evict(self.budget_bytes + 1)
+
+    # ---- introspection ------------------------------------------------------------------------------------------
+
+    def stats(self) -> PrefixCacheStats:
+        with self._lock:
+            return PrefixCacheStats(
+                queries=self._queries, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
+                inserted_blocks=self._inserted, evicted_blocks=self._evicted, blocks_held=self._blocks_held,
+                bytes_held=self._bytes_held, budget_bytes=self.budget_bytes, block_size=self.block_size,
+            )
+
+    def check_invariants(self, live_leases: Sequence[CacheLease] = ()) -> None:
+        """Assert the tree is consistent: byte and block totals, budget, and (given every live lease) refcounts.
+
+        For tests and debugging; walks the whole tree under the lock.
+        """
+        with self._lock:
+            expected_refs: dict[int, int] = {}
+            for lease in live_leases:
+                if not lease.released:
+                    for node in lease._nodes:
+                        expected_refs[id(node)] = expected_refs.get(id(node), 0) + 1
+            blocks = nbytes = 0
+            for root in self._roots.values():
+                assert root.payload is None and root.refs == 0
+                stack = list(root.children.values())
+                while stack:
+                    node = stack.pop()
+                    assert node.payload is not None and len(node.key) == self.block_size
+                    assert node.parent is not None and node.parent.children.get(node.key) is node
+                    assert node.refs >= 0
+                    if live_leases:
+                        assert node.refs == expected_refs.get(id(node), 0), (node.refs, expected_refs.get(id(node)))
+                    # A lease references a whole chain from the root, so no child is referenced more than its parent.
+                    assert all(child.refs <= node.refs for child in node.children.values())
+                    blocks += 1
+                    nbytes += node.nbytes
+                    stack.extend(node.children.values())
+            assert blocks == self._blocks_held, (blocks, self._blocks_held)
+            assert nbytes == self._bytes_held, (nbytes, self._bytes_held)
+            assert self._bytes_held <= self.budget_bytes, (self._bytes_held, self.budget_bytes)
+            for lease in live_leases:
+                if not lease.released:
+                    for node in lease._nodes:
+                        assert node.payload is not None, "a referenced block was evicted"
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"PrefixCache({s.blocks_held} blocks, {s.bytes_held}/{s.budget_bytes} bytes, "
+                f"block_size={s.block_size}, hit rate {s.hit_rate:.1%})")
