@@ -121,3 +121,38 @@ def test_plain_module_with_nothing_to_fuse_runs_unchanged_and_says_why():
         assert name in text
     if report.pass_counts:
         assert "no candidate" in text or any(report.rejections.values())
+
+
+class _BrokenLayer(torch.nn.Module):
+    """A layer whose forward breaks the graph, so Dynamo compiles it once and reuses it for every instance."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.relu(self.proj(x))
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+def test_frozen_weights_are_never_reused_for_other_weights():
+    """Dynamo reuses one graph across layers and instances without guarding on parameter identity; frozen
+    weights must follow the parameters actually passed, not the first ones seen."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_BrokenLayer(), _BrokenLayer(), _BrokenLayer()).eval()
+    x = torch.randn(4, 8)
+    backend = ttftc.backend(ttftc.Config(passes=()))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))
+        twin = torch.nn.Sequential(_BrokenLayer(), _BrokenLayer(), _BrokenLayer()).eval()
+        torch.testing.assert_close(torch.compile(twin, backend=backend)(x), twin(x))
+
+
+def test_two_instances_of_one_model_class_keep_their_own_weights():
+    first, second = zoo.build("llama", "sdpa", seed=0), zoo.build("llama", "sdpa", seed=1)
+    ids = zoo.example_ids(first, 7)
+    backend = ttftc.backend()
+    with torch.no_grad():
+        for model in (first, second):
+            assert_logits_match(torch.compile(model, backend=backend)(ids).logits, model(ids).logits)

@@ -15,10 +15,10 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc.*)
-from ttftc.capture import flat_inputs, freeze_weights
+from ttftc.capture import FlatInputs, flat_inputs, freeze_weights
 from ttftc.codegen.lowering import lower_graph
 from ttftc.config import Config
-from ttftc.passes.graph_utils import op_histogram
+from ttftc.passes.graph_utils import copy_graph, op_histogram
 from ttftc.passes.manager import PassManager
 from ttftc.report import Report, graph_flops, make_report
 
@@ -73,7 +73,14 @@ class TtftcBackend:
         with unset_fake_temporarily():
             return self._compile_real(aten_gm, inputs, num_aot_inputs)
 
-    def _compile_real(self, aten_gm: fx.GraphModule, inputs, num_aot_inputs: int) -> Callable:
+    def _compile_real(self, aten_gm: fx.GraphModule, inputs: FlatInputs, num_aot_inputs: int) -> Callable:
+        template = fx.GraphModule(aten_gm, copy_graph(aten_gm.graph)) if inputs.weight_indices else None
+        run = self._compile_frozen(aten_gm, inputs, num_aot_inputs)
+        if template is None or len(run.live_inputs) == num_aot_inputs:
+            return run  # nothing was frozen, so nothing can go stale
+        return _WeightGuard(self, template, inputs, run)
+
+    def _compile_frozen(self, aten_gm: fx.GraphModule, inputs: FlatInputs, num_aot_inputs: int) -> Callable:
         live, note = freeze_weights(aten_gm, inputs, num_aot_inputs)
         notes = [note] if note else []
         ops_before = op_histogram(aten_gm)
@@ -87,6 +94,42 @@ class TtftcBackend:
         )
         self.graph_modules.append(aten_gm)
         return _boxed(aten_gm, live)
+
+
+class _WeightGuard:
+    """Runs a frozen graph only with the weights it was frozen with; other weights get their own compile.
+
+    Dynamo does not guard on parameter identity: a graph traced inside a repeated layer (after a graph break) is
+    reused for every layer, and two instances of one model class share compiled code, each call passing its
+    own parameters as inputs. A graph with weights baked in would silently compute with the wrong ones, so
+    each call checks that the weight inputs are the very tensors that were frozen (a few hundred `is`
+    checks) and compiles a new specialisation, once, for a new set of weights.
+    """
+
+    def __init__(self, backend: "TtftcBackend", template: fx.GraphModule, inputs: FlatInputs, first: Callable):
+        self.backend = backend
+        self.template = template
+        self.weight_indices = tuple(sorted(inputs.weight_indices))
+        weights = tuple(inputs.tensors[i] for i in self.weight_indices)
+        self.variants: list[tuple[tuple, Callable]] = [(weights, first)]
+        self._boxed_call = True
+        self.graph_module = first.graph_module
+        self.live_inputs = first.live_inputs
+
+    def _variant_for(self, args: list) -> Callable:
+        weights = tuple(args[i] for i in self.weight_indices)
+        for known, runner in self.variants:
+            if all(a is b for a, b in zip(known, weights)):
+                return runner
+        with unset_fake_temporarily():
+            gm = fx.GraphModule(self.template, copy_graph(self.template.graph))
+            inputs = FlatInputs(tuple(args), frozenset(self.weight_indices))
+            runner = self.backend._compile_frozen(gm, inputs, len(args))
+        self.variants.append((weights, runner))
+        return runner
+
+    def __call__(self, args: list):
+        return self._variant_for(args)(args)
 
 
 def _boxed(gm: fx.GraphModule, live: list[int]) -> Callable:

@@ -49,6 +49,14 @@ def tensor_meta_matches(a: Any, b: Any) -> bool:
     return all(str(x) == str(y) for x, y in zip(a.shape, b.shape))
 
 
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """An independent copy of a graph, node metadata included (shallowly), owned by the same module."""
+    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    out = copy.graph_copy(graph, {})
+    copy.output(out)
+    return copy
+
+
 def fake_mode_of(gm: fx.GraphModule):
     vals = [n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta]
     return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])

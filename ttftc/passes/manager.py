@@ -9,15 +9,8 @@ import torch.fx as fx
 
 from ttftc.config import Config
 from ttftc.passes.base import GraphPass, PassStats
+from ttftc.passes.graph_utils import copy_graph
 from ttftc.passes.registry import pass_classes
-
-
-def _snapshot(graph: fx.Graph) -> fx.Graph:
-    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
-    value_map: dict = {}
-    out = copy.graph_copy(graph, value_map)
-    copy.output(out)
-    return copy
 
 
 class PassManager:
@@ -33,7 +26,7 @@ class PassManager:
     def run(self, gm: fx.GraphModule) -> list[PassStats]:
         results = []
         for graph_pass in self.passes:
-            saved = _snapshot(gm.graph)
+            saved = copy_graph(gm.graph)
             try:
                 results.append(graph_pass.run(gm))
             except Exception as exc:

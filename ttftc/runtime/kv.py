@@ -125,9 +125,9 @@ class GrowableLayer(DynamicLayer):
 def growable_kv_supported(model: torch.nn.Module) -> bool:
     """Whether `model` may get GrowableLayer caches: plain eager modules only.
 
-    Under torch.compile the layer's buffer and its prefix view reach the graph as two aliased, mutated inputs.
-    aot_eager handles that, but with the ttftc backend the logits came out wrong (its weight freezing maps
-    placeholders to inputs by index), so compiled models keep transformers' own DynamicLayer.
+    Under torch.compile the layer's in-place appends break the graph inside every decoder layer (28 graphs for a
+    2-layer Llama instead of 1), which leaves attention and the fused passes with fragments; compiled models keep
+    transformers' own DynamicLayer, whose concatenations trace into one graph.
     """
     return unwrap_model(model) is model
 
