@@ -122,3 +122,14 @@ def test_console_script_is_installed():
     done = subprocess.run([sys.executable, "-m", "ttftc.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     assert "bench" in done.stdout and "explain" in done.stdout
+
+
+def test_ttftc_variant_on_the_eager_attention_model_parses_and_validates():
+    from ttftc.bench.errors import BenchInputError
+    from ttftc.bench.variants import DEFAULT_VARIANTS, get_variant
+
+    variant = get_variant("ttftc[passes=attention,precision=fp32,attn=eager]")
+    assert "attention eager" in variant.description
+    assert "inductor-attn" not in DEFAULT_VARIANTS and get_variant("inductor-attn").compiles
+    with pytest.raises(BenchInputError, match="attn must be sdpa or eager"):
+        get_variant("ttftc[attn=flash]")
