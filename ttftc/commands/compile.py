@@ -55,7 +55,7 @@ def run(args) -> int:
     from ttftc.aot import ArtifactError, build_artifact, rebuild_artifact
     from ttftc.bench import BenchInputError
     from ttftc.cache import default_cache
-    from ttftc.commands import UsageError
+    from ttftc.commands import UsageError, parse_passes
     from ttftc.config import Config
 
     started = time.perf_counter()
@@ -65,12 +65,7 @@ def run(args) -> int:
         else:
             if not args.model:
                 raise UsageError("MODEL is required (or pass --rebuild to rebuild DIR from its manifest)")
-            if args.passes == "all":
-                passes = "all"
-            elif args.passes == "none":
-                passes = ()
-            else:
-                passes = tuple(p.strip() for p in args.passes.split(",") if p.strip())
+            passes = parse_passes(args.passes)
             try:
                 config = Config(passes=passes, precision=args.precision, buckets=args.buckets, provider=args.provider)
             except ValueError as exc:

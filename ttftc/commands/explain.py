@@ -33,7 +33,7 @@ def run(args) -> int:
     from ttftc.bench import BenchInputError
     from ttftc.bench.models import PREFILL_KWARGS, example_prompt, load_model, max_positions, model_config, resolve_model
     from ttftc.bench.roofline import bound_ms, describe_prefill, measure_gemm_peak, prefill_flops
-    from ttftc.commands import UsageError
+    from ttftc.commands import UsageError, parse_passes
 
     try:
         spec = resolve_model(args.model)
@@ -42,12 +42,7 @@ def run(args) -> int:
     limit = max_positions(model_config(spec))
     if limit is not None and args.seq > limit:
         raise UsageError(f"--seq {args.seq} does not fit the model's {limit} positions")
-    if args.passes == "all":
-        passes = "all"
-    elif args.passes == "none":
-        passes = ()
-    else:
-        passes = tuple(p.strip() for p in args.passes.split(",") if p.strip())
+    passes = parse_passes(args.passes)
     try:
         config = ttftc.Config(passes=passes, precision=args.precision, provider=args.provider)
     except ValueError as exc:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ttftc.ops.norm_linear import NORM_KINDS, normalize
+from ttftc.ops.norm_linear import NORM_KINDS, add_residual, normalize
 from ttftc.ops.registry import define_op
 
 
@@ -38,9 +38,5 @@ def norm(
     kind: str,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is not None:
-        x = x + residual
-        residual_out = x  # a fresh tensor, not an alias of an input, so the op may return it
-    else:
-        residual_out = x.new_empty(0)
+    x, residual_out = add_residual(x, residual)
     return normalize(x, norm_w, norm_b, kind=kind, eps=eps), residual_out

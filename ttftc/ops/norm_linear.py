@@ -30,6 +30,14 @@ def normalize(x, norm_w, norm_b, *, kind: str, eps: float) -> torch.Tensor:
     raise ValueError(f"Unknown norm kind {kind!r}; valid: {NORM_KINDS}")
 
 
+def add_residual(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, that sum as the op's residual_out); without a residual, (x, an empty tensor)."""
+    if residual is None:
+        return x, x.new_empty(0)
+    x = x + residual
+    return x, x  # a fresh tensor, not an alias of an input, so the op may return it
+
+
 def _fake(x, norm_w, norm_b, w, b=None, residual=None, *, kind, eps):
     if kind not in NORM_KINDS:
         raise ValueError(f"Unknown norm kind {kind!r}; valid: {NORM_KINDS}")
@@ -54,9 +62,5 @@ def norm_linear(
     kind: str,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is not None:
-        x = x + residual
-        residual_out = x  # a fresh tensor, not an alias of an input, so the op may return it
-    else:
-        residual_out = x.new_empty(0)
+    x, residual_out = add_residual(x, residual)
     return F.linear(normalize(x, norm_w, norm_b, kind=kind, eps=eps), w, b), residual_out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ttftc.codegen.cpu.ffn import activation_
 from ttftc.codegen.cpu.norm import norm_reason, normalize_cpu, residual_add
 from ttftc.codegen.lowering import register_lowering
 from ttftc.ops.ffn import ACTIVATIONS
@@ -125,18 +126,6 @@ def norm_quant_cpu(x, norm_w, norm_b=None, residual=None, *, kind, eps):
 
 # -- gated_ffn_int8 ------------------------------------------------------------------------------------------
 
-def activation_inplace(x: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "silu":
-        return torch.nn.functional.silu(x, inplace=True)
-    if act == "gelu_tanh":
-        return torch.ops.aten.gelu_(x, approximate="tanh")
-    if act == "gelu":
-        return torch.ops.aten.gelu_(x)
-    if act == "relu":
-        return x.relu_()
-    raise ValueError(f"Unknown activation {act!r}; valid: {ACTIVATIONS}")
-
-
 def _gated_reason(ctx, x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale, b_gate_up=None, b_down=None, *,
                   act, out_dtype):
     reason = _cpu_reason(ctx, x, x_scale) or _weight_reason(x, w_gate_up, gate_up_scale, b_gate_up)
@@ -161,7 +150,7 @@ def gated_ffn_int8_cpu(x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale,
         stop = min(xq.shape[0], start + ROW_BLOCK)
         gate_up = dequant_epilogue(torch._int_mm(xq[start:stop], w_gate_up.t()), xs[start:stop], gate_up_scale,
                                    b_gate_up, torch.float32)
-        h = activation_inplace(gate_up[:, :inter], act).mul_(gate_up[:, inter:])
+        h = activation_(gate_up[:, :inter], act).mul_(gate_up[:, inter:])
         hq, hs = quantize_rows(h)
         out[start:stop] = dequant_epilogue(torch._int_mm(hq, w_down.t()), hs, down_scale, b_down, out_dtype)
     return out.view(*x.shape[:-1], w_down.shape[0])
