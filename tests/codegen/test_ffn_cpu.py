@@ -88,3 +88,22 @@ def test_zoo_llama_runs_through_the_cpu_lowerings():
     providers = backend.report().providers
     assert providers["gated_ffn"] == {"cpu": 2}
     assert providers["norm_linear"] == {"cpu": 3} and providers["norm"] == {"cpu": 2}
+
+
+@pytest.mark.parametrize("n_block", [0, 5, 16, 1000])
+def test_column_blocked_gemm_is_exact_with_and_without_bias(n_block):
+    from ttftc.codegen.cpu._blas import linear_2d
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(7, 12, generator=gen), torch.randn(37, 12, generator=gen), torch.randn(37, generator=gen)
+    torch.testing.assert_close(linear_2d(x, w, None, n_block), x @ w.t())
+    torch.testing.assert_close(linear_2d(x, w, b, n_block), torch.addmm(b, x, w.t()))
+
+
+def test_fused_cpu_ops_expose_the_column_block_knob():
+    from ttftc.autotune.space import space_for
+    from ttftc.codegen.lowering import load_providers
+
+    load_providers()
+    for op in ("gated_ffn", "linear_act", "norm_linear"):
+        assert space_for(op, "cpu").axes["n_block"] == (0, 512, 1024, 2048)

@@ -1,4 +1,5 @@
-"""What the CPU lowerings share: one BLAS GEMM per linear, and the capability rule for it.
+"""What the CPU lowerings share: the BLAS GEMM of a linear (column-blocked for wide merged weights), and the
+capability rule for it.
 
 Weights stay in their frozen [N, K] layout and reach BLAS as the transposed view `w.t()` (transB), with no
 compile-time copy: benchmarks/ffn_norm_cpu.py measured a contiguous [K, N] copy made at compile time against
@@ -14,9 +15,33 @@ from typing import Optional
 import torch
 
 
-def linear_2d(x2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x2d · wᵀ (+ bias) for w stored [N, K], as one BLAS call."""
-    return torch.addmm(bias, x2d, w.t()) if bias is not None else torch.mm(x2d, w.t())
+# Output columns per BLAS call for the merged (wide) weights of the fused ops. On the 2-core AMD EPYC this project
+# is measured on, one GEMM over a merged weight was slower than the separate GEMMs it replaced, and 1024-column
+# blocks written into one output buffer were the fastest (benchmarks/wide_gemm_cpu.py, 512 tokens, K=1024:
+# q|k|v 17.9 ms merged, 17.1 separate, 16.9 blocked; gate|up 34.6 merged, 31.7 separate, 31.2 blocked).
+# 0 disables blocking. Autotunable per op instance (`WIDE_GEMM_SPACE_AXES`).
+DEFAULT_N_BLOCK = 1024
+WIDE_GEMM_SPACE_AXES = {"n_block": (0, 512, 1024, 2048)}
+
+
+def linear_2d(x2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], n_block: int = 0) -> torch.Tensor:
+    """x2d · wᵀ (+ bias) for w stored [N, K]: one BLAS call, or one per `n_block` output columns into one buffer
+    (each writes its column slice in place: BLAS takes the row stride as ldc, so nothing is copied)."""
+    n = w.shape[0]
+    if n_block <= 0 or n <= n_block:
+        return torch.addmm(bias, x2d, w.t()) if bias is not None else torch.mm(x2d, w.t())
+    out = torch.empty(x2d.shape[0], n, dtype=x2d.dtype, device=x2d.device)
+    for start in range(0, n, n_block):
+        stop = min(n, start + n_block)
+        if bias is not None:
+            torch.addmm(bias[start:stop], x2d, w[start:stop].t(), out=out[:, start:stop])
+        else:
+            torch.mm(x2d, w[start:stop].t(), out=out[:, start:stop])
+    return out
+
+
+def n_block_of(tuning_config: Optional[dict]) -> int:
+    return int((tuning_config or {}).get("n_block", DEFAULT_N_BLOCK))
 
 
 def cpu_linear_reason(ctx, x, *weights) -> Optional[str]:

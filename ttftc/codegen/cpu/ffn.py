@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ttftc.codegen.cpu._blas import cpu_linear_reason, linear_2d
+from ttftc.autotune.space import SearchSpace, register_space
+from ttftc.codegen.cpu._blas import DEFAULT_N_BLOCK, WIDE_GEMM_SPACE_AXES, cpu_linear_reason, linear_2d, n_block_of
 from ttftc.codegen.lowering import register_lowering
 from ttftc.ops.ffn import ACTIVATIONS
 
@@ -47,9 +48,9 @@ def _gated_reason(ctx, x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, act
 
 
 @register_lowering("gated_ffn", "cpu", unsupported_reason=_gated_reason)
-def gated_ffn_cpu(x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, act):
+def gated_ffn_cpu(x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, act, tuning_config=None):
     inter = w_gate_up.shape[0] // 2
-    gate_up = linear_2d(x.reshape(-1, x.shape[-1]), w_gate_up, b_gate_up)
+    gate_up = linear_2d(x.reshape(-1, x.shape[-1]), w_gate_up, b_gate_up, n_block_of(tuning_config))
     gate = activation_(gate_up[:, :inter], act)
     gate.mul_(gate_up[:, inter:])
     out = linear_2d(gate, w_down, b_down)
@@ -68,6 +69,10 @@ def _linear_act_reason(ctx, x, w, b=None, *, act):
 
 
 @register_lowering("linear_act", "cpu", unsupported_reason=_linear_act_reason)
-def linear_act_cpu(x, w, b=None, *, act):
-    out = activation_(linear_2d(x.reshape(-1, x.shape[-1]), w, b), act)
+def linear_act_cpu(x, w, b=None, *, act, tuning_config=None):
+    out = activation_(linear_2d(x.reshape(-1, x.shape[-1]), w, b, n_block_of(tuning_config)), act)
     return out.view(*x.shape[:-1], w.shape[0])
+
+
+for _op in ("gated_ffn", "linear_act"):
+    register_space(SearchSpace(_op, "cpu", axes=WIDE_GEMM_SPACE_AXES, default=lambda p: {"n_block": DEFAULT_N_BLOCK}))
