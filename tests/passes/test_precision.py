@@ -261,3 +261,19 @@ def test_real_torchao_w8a8_linear_fuses_into_int8_linear():
     assert report.ops_before["aten._int_mm"] == 1
     assert report.ops_after["ttftc.int8_linear"] == 1 and "aten._int_mm" not in report.ops_after
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_applies_when_sdpa_carries_an_explicit_mask():
+    """With use_cache=False transformers hands SDPA an explicit mask (its packed-sequence check); the bf16 rewrite
+    of that SDPA must cast the mask node too (it once crashed here and the whole pass was rolled back)."""
+    model = zoo.build("llama", "sdpa")
+    ids = zoo.example_ids(model, 16)
+    backend = ttftc.backend(ttftc.Config(precision="bf16"))
+    with torch.inference_mode():
+        expected = model(ids, use_cache=False).logits
+        actual = torch.compile(model, backend=backend)(ids, use_cache=False).logits
+    report = backend.report()
+    assert "precision" not in report.errors
+    assert report.pass_counts["precision"] > 0
+    cosine = torch.nn.functional.cosine_similarity(actual.flatten(), expected.flatten(), dim=0)
+    assert cosine >= 0.99

@@ -67,6 +67,8 @@ def _to_meta(arg: Any) -> Any:
         return arg.meta["val"]
     if isinstance(arg, (list, tuple)):
         return type(arg)(_to_meta(a) for a in arg)
+    if isinstance(arg, dict):
+        return {k: _to_meta(v) for k, v in arg.items()}
     return arg
 
 
