@@ -156,3 +156,14 @@ def test_two_instances_of_one_model_class_keep_their_own_weights():
     with torch.no_grad():
         for model in (first, second):
             assert_logits_match(torch.compile(model, backend=backend)(ids).logits, model(ids).logits)
+
+
+def test_config_device_that_disagrees_with_the_tensors_is_reported_not_obeyed():
+    model = zoo.build("llama", "sdpa")
+    ids = zoo.example_ids(model, 6)
+    backend = ttftc.backend(ttftc.Config(device="cuda"))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_logits_match(torch.compile(model, backend=backend)(ids).logits, model(ids).logits)
+    assert any("Config.device='cuda'" in str(w.message) for w in caught)
+    assert any("tensors are on cpu" in note for note in backend.report().notes)

@@ -83,6 +83,10 @@ class TtftcBackend:
     def _compile_frozen(self, aten_gm: fx.GraphModule, inputs: FlatInputs, num_aot_inputs: int) -> Callable:
         live, note = freeze_weights(aten_gm, inputs, num_aot_inputs)
         notes = [note] if note else []
+        mismatch = _device_mismatch(self.config, inputs)
+        if mismatch:
+            warnings.warn(mismatch, stacklevel=2)
+            notes.append(mismatch)
         ops_before = op_histogram(aten_gm)
         manager = PassManager(self.config)
         stats = manager.run(aten_gm)
@@ -94,6 +98,18 @@ class TtftcBackend:
         )
         self.graph_modules.append(aten_gm)
         return _boxed(aten_gm, live)
+
+
+def _device_mismatch(config: Config, inputs: FlatInputs) -> Optional[str]:
+    """Lowering follows the tensors; a Config.device that disagrees with them is worth saying, never obeying."""
+    if config.device == "auto":
+        return None
+    found = sorted({t.device.type for t in inputs.tensors if isinstance(t, torch.Tensor)})
+    if not found or found == [config.device]:
+        return None
+    return (f"Config.device={config.device!r} but the graph's tensors are on {', '.join(found)}; ops are lowered "
+            f"for the device their tensors are on. Move the model and inputs to {config.device!r}, or use "
+            "device='auto'.")
 
 
 class _WeightGuard:
