@@ -12,6 +12,24 @@ import torch
 from ttftc.ops.registry import define_op
 
 
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def operands_reason(x, x_scale, *weights_and_scales) -> str | None:
+    """Why (x, x_scale, w, w_scale, ...) break the int8 ops' operand contract, or None.
+
+    Device-independent, so every provider's capability check starts from it and adds only its own limits.
+    """
+    if x_scale is None and x.dtype not in FLOAT_DTYPES:
+        return f"activation dtype {x.dtype} cannot be quantised"
+    if x_scale is not None and x.dtype != torch.int8:
+        return f"activation is {x.dtype} although a scale is given (want int8)"
+    for w, s in zip(weights_and_scales[::2], weights_and_scales[1::2]):
+        if w.dtype != torch.int8 or w.dim() != 2 or s.dim() != 1 or s.shape[0] != w.shape[0]:
+            return f"weight {tuple(w.shape)} {w.dtype} / scale {tuple(s.shape)} is not int8 [N, K] with [N] scales"
+    return None
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row of the last dimension: returns (int8 values, fp32 scales of shape x.shape[:-1])."""
     xf = x.float()

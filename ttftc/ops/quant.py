@@ -20,7 +20,7 @@ import torch
 from ttftc.ops.ffn import ACTIVATIONS, apply_activation
 from ttftc.ops.int8_linear import int8_linear as _int8_linear_op
 from ttftc.ops.int8_linear import quantize_per_token
-from ttftc.ops.norm_linear import NORM_KINDS, normalize
+from ttftc.ops.norm_linear import NORM_KINDS, add_residual, normalize
 from ttftc.ops.registry import define_op
 
 
@@ -56,13 +56,20 @@ def norm_quant(
     kind: str,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if residual is not None:
-        x = x + residual
-        residual_out = x.clone()
-    else:
-        residual_out = x.new_empty(0)
+    x, residual_out = add_residual(x, residual)
     q, scale = quantize_per_token(normalize(x, norm_w, norm_b, kind=kind, eps=eps))
     return q, scale, residual_out
+
+
+def gated_ffn_int8_reason(w_gate_up, w_down, *, act: str, out_dtype, out_dtypes) -> str | None:
+    """Why gated_ffn_int8's weights, activation or output dtype are not a gated FFN a provider can run, or None."""
+    if act not in ACTIVATIONS:
+        return f"activation {act!r}"
+    if out_dtype not in out_dtypes:
+        return f"out_dtype {out_dtype}"
+    if w_gate_up.shape[0] % 2 or w_gate_up.shape[0] // 2 != w_down.shape[1]:
+        return f"weights {tuple(w_gate_up.shape)} / {tuple(w_down.shape)} do not form a gated FFN"
+    return None
 
 
 def act_mul_quant(gate_up: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:

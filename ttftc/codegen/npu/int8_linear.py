@@ -18,7 +18,9 @@ import torch
 from ttftc.codegen.lowering import register_lowering
 from ttftc.codegen.npu import _torch_npu
 from ttftc.codegen.npu.norm import norm_reason, npu_norm
-from ttftc.ops.ffn import ACTIVATIONS, apply_activation
+from ttftc.ops.ffn import apply_activation
+from ttftc.ops.int8_linear import operands_reason
+from ttftc.ops.quant import gated_ffn_int8_reason
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NPU_OUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -51,14 +53,7 @@ def _reason(ctx, x, x_scale, *weights_and_scales) -> Optional[str]:
     reason = _torch_npu.unsupported_device_reason(ctx)
     if reason is not None:
         return reason
-    if x_scale is None and x.dtype not in ACT_DTYPES:
-        return f"activation dtype {x.dtype} cannot be quantised"
-    if x_scale is not None and x.dtype != torch.int8:
-        return f"activation is {x.dtype} although a scale is given (want int8)"
-    for w, s in zip(weights_and_scales[::2], weights_and_scales[1::2]):
-        if w.dtype != torch.int8 or w.dim() != 2 or s.dim() != 1 or s.shape[0] != w.shape[0]:
-            return f"weight {tuple(w.shape)} {w.dtype} / scale {tuple(s.shape)} is not int8 [N, K] with [N] scales"
-    return None
+    return operands_reason(x, x_scale, *weights_and_scales)
 
 
 def _int8_linear_reason(ctx, x, x_scale, w_int8, w_scale, bias=None, *, out_dtype):
@@ -100,13 +95,7 @@ def _gated_reason(ctx, x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale,
     reason = _reason(ctx, x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale)
     if reason is not None:
         return reason
-    if act not in ACTIVATIONS:
-        return f"activation {act!r}"
-    if out_dtype not in ACT_DTYPES:
-        return f"out_dtype {out_dtype}"
-    if w_gate_up.shape[0] % 2 or w_gate_up.shape[0] // 2 != w_down.shape[1]:
-        return f"weights {tuple(w_gate_up.shape)} / {tuple(w_down.shape)} do not form a gated FFN"
-    return None
+    return gated_ffn_int8_reason(w_gate_up, w_down, act=act, out_dtype=out_dtype, out_dtypes=ACT_DTYPES)
 
 
 @register_lowering("gated_ffn_int8", "npu", unsupported_reason=_gated_reason, priority=20)

@@ -21,7 +21,9 @@ import torch
 
 from ttftc.codegen.lowering import register_lowering
 from ttftc.codegen.triton._ffn_norm_support import HAS_TRITON, device_reason
-from ttftc.ops.ffn import ACTIVATIONS, apply_activation
+from ttftc.ops.ffn import apply_activation
+from ttftc.ops.int8_linear import operands_reason
+from ttftc.ops.quant import gated_ffn_int8_reason
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -123,13 +125,10 @@ def _common_reason(ctx, x, x_scale, *weights_and_scales) -> Optional[str]:
     reason = device_reason(ctx)
     if reason is not None:
         return reason
-    if x_scale is None and x.dtype not in OUT_DTYPES:
-        return f"activation dtype {x.dtype} cannot be quantised"
-    if x_scale is not None and x.dtype != torch.int8:
-        return f"activation is {x.dtype} although a scale is given (want int8)"
-    for w, s in zip(weights_and_scales[::2], weights_and_scales[1::2]):
-        if w.dtype != torch.int8 or w.dim() != 2 or s.dim() != 1 or s.shape[0] != w.shape[0]:
-            return f"weight {tuple(w.shape)} {w.dtype} / scale {tuple(s.shape)} is not int8 [N, K] with [N] scales"
+    reason = operands_reason(x, x_scale, *weights_and_scales)
+    if reason is not None:
+        return reason
+    for w in weights_and_scales[::2]:
         if w.shape[1] < 16:
             return f"K={w.shape[1]} below tl.dot's minimum of 16"
     return None
@@ -166,13 +165,7 @@ def _gated_reason(ctx, x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale,
     reason = _common_reason(ctx, x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale)
     if reason is not None:
         return reason
-    if act not in ACTIVATIONS:
-        return f"activation {act!r}"
-    if out_dtype not in OUT_DTYPES:
-        return f"out_dtype {out_dtype}"
-    if w_gate_up.shape[0] % 2 or w_gate_up.shape[0] // 2 != w_down.shape[1]:
-        return f"weights {tuple(w_gate_up.shape)} / {tuple(w_down.shape)} do not form a gated FFN"
-    return None
+    return gated_ffn_int8_reason(w_gate_up, w_down, act=act, out_dtype=out_dtype, out_dtypes=OUT_DTYPES)
 
 
 @register_lowering("gated_ffn_int8", "triton", unsupported_reason=_gated_reason, priority=10)
