@@ -22,9 +22,14 @@ def test_digest_changes_with_every_field():
         base.replace(passes=()),
         base.replace(quant_skip=()),
         base.replace(on_oversize="dynamic"),
+        base.replace(autotune=False),
     ]
     digests = {v.digest() for v in variants} | {base.digest()}
     assert len(digests) == len(variants) + 1
+    import dataclasses
+
+    changed = {f.name for v in variants for f in dataclasses.fields(v) if getattr(v, f.name) != getattr(base, f.name)}
+    assert changed == {f.name for f in dataclasses.fields(base)}, "a Config field is missing from this test"
 
 
 def test_lists_are_normalised_to_tuples():

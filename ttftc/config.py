@@ -36,6 +36,8 @@ class Config:
                 it is capable and uses the torch reference elsewhere.
     quant_skip: module-name fragments kept out of int8 (the lm_head by default: logits quality).
     on_oversize: a prompt longer than the largest bucket either raises ("error") or runs unpadded ("dynamic").
+    autotune:   lowerings use the configs `ttftc autotune` stored in the autotune cache (True), or always their
+                defaults (False: what `ttftc bench` compares tuned against).
     """
 
     passes: Union[str, tuple[str, ...]] = "all"
@@ -45,6 +47,7 @@ class Config:
     provider: Literal["auto", "reference", "triton", "cpu", "npu"] = "auto"
     quant_skip: tuple[str, ...] = ("lm_head",)
     on_oversize: Literal["error", "dynamic"] = "error"
+    autotune: bool = True
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and normalised to tuples so the Config stays hashable.
@@ -82,6 +85,8 @@ class Config:
             raise ValueError(
                 f"Unknown on_oversize {self.on_oversize!r}; valid values: {_choices(OVERSIZE_POLICIES)}."
             )
+        if not isinstance(self.autotune, bool):
+            raise ValueError(f"Config.autotune must be True or False, got {self.autotune!r}.")
         if not isinstance(self.quant_skip, tuple) or not all(isinstance(s, str) for s in self.quant_skip):
             raise ValueError(f"Config.quant_skip must be a tuple of strings, got {self.quant_skip!r}.")
         if self.buckets is not None:

@@ -32,10 +32,12 @@ def _needs_autograd(example_inputs: Sequence) -> bool:
 class TtftcBackend:
     """A configured backend. Keeps one Report per graph it compiled."""
 
-    def __init__(self, config: Optional[Config] = None):
+    def __init__(self, config: Optional[Config] = None, *, autotune_cache=None):
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"ttftc.backend expects a ttftc.Config, got {type(config).__name__}")
         self.config = config or Config()
+        # Where tuned kernel configs are read from (an AutotuneCache); None: the default autotune cache.
+        self.autotune_cache = autotune_cache
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []  # the lowered graphs, for autotune and inspection
 
@@ -92,7 +94,8 @@ class TtftcBackend:
         stats = manager.run(aten_gm)
         ops_after = op_histogram(aten_gm)
         flops = graph_flops(aten_gm)
-        decisions = lower_graph(aten_gm, provider=self.config.provider)
+        decisions = lower_graph(aten_gm, provider=self.config.provider, autotune=self.config.autotune,
+                                autotune_cache=self.autotune_cache)
         self.reports.append(
             make_report(stats, ops_before, ops_after, decisions, flops, {p.name: p.uuid() for p in manager.passes}, notes)
         )

@@ -122,3 +122,35 @@ def test_compile_uses_the_cached_config(toy_space, tmp_path, monkeypatch):
         out = torch.compile(fn, backend=ttftc.backend(ttftc.Config(passes=())))(x, wgu, wd)
     assert seen == [{"rows": 3, "broken": False}]
     torch.testing.assert_close(out, torch.ops.ttftc.gated_ffn(x, wgu, wd, act="silu"))
+
+
+def test_correctness_gate_scales_with_the_output_magnitude():
+    from ttftc.autotune.tuner import _close
+
+    expected = torch.tensor([6000.0, -3000.0, 0.001, 0.0])
+    reassociated = expected + torch.tensor([0.004, -0.002, 0.008, -0.008])  # ~1e-6 of the largest entry
+    assert _close(reassociated, expected)
+    assert not _close(expected * 1.01, expected)
+    assert not _close(torch.zeros(4), expected)
+
+
+class NearlyEqualTimer:
+    """The favourite is faster than the default by less than the noise margin."""
+
+    def __init__(self, favourite):
+        self.favourite = favourite
+
+    def __call__(self, fn, config):
+        fn()
+        return 9.9 if config == self.favourite else 10.0
+
+
+def test_a_gain_within_noise_keeps_the_default(toy_space, tmp_path):
+    from ttftc.autotune.tuner import MIN_GAIN
+
+    assert 0.1 / 10.0 < MIN_GAIN
+    cache = AutotuneCache(tmp_path)
+    (result,) = tune_instances([OpInstance(PROBLEM, 64)], cache=cache, budget_s=60,
+                               timer=NearlyEqualTimer({"rows": 3, "broken": False}), progress=False)
+    assert result.config == {"rows": 2, "broken": False} and result.tuned_ms == result.default_ms == 10.0
+    assert cache.lookup(key_for(PROBLEM, "cpu")).config == {"rows": 2, "broken": False}

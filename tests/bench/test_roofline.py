@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ttftc import zoo
 from ttftc.bench.roofline import (
@@ -59,7 +60,7 @@ def test_gemm_peak_is_measured_for_every_dtype(dtype):
     peak = measure_gemm_peak(dtype, size=128, repeats=2)
     assert peak.error is None, peak.error
     assert peak.gflops > 0
-    assert peak.op == ("torch._int_mm" if dtype == "int8" else "torch.mm")
+    assert peak.op in (("torch._int_mm",) if dtype == "int8" else ("torch.mm", "oneDNN matmul"))
 
 
 def test_peak_meter_keeps_the_best_sample():
@@ -76,3 +77,15 @@ def test_bound_is_flops_over_peak():
     peak = GemmPeak("fp32", 200.0, "torch.mm", 2048)
     assert bound_ms(4 * 10**9, peak) == pytest.approx(20.0)
     assert bound_ms(10**9, GemmPeak("int8", None, "torch._int_mm", 2048, error="no int8 GEMM")) is None
+
+
+def test_peak_is_the_best_over_every_gemm_primitive_of_the_device():
+    from ttftc.bench.roofline import PeakMeter
+
+    meter = PeakMeter(size=64, dtypes=("fp32", "bf16"))
+    names = {d: [g[0] for g in meter._gemms[d]] for d in ("fp32", "bf16")}
+    expected = ["torch.mm"] + (["oneDNN matmul"] if torch.backends.mkldnn.is_available() else [])
+    assert names == {"fp32": expected, "bf16": expected}
+    meter.sample(2)
+    peaks = meter.peaks()
+    assert all(peaks[d].op in expected and peaks[d].gflops > 0 and peaks[d].samples == 2 for d in ("fp32", "bf16"))

@@ -69,18 +69,21 @@ def test_first_call_in_a_fresh_process_with_cold_caches():
     assert row["inprocess_first_call_s"] > 0
 
 
-def test_ablation_steps_follow_the_pipeline_order():
+def test_ablation_steps_follow_the_pipeline_order_with_precision_last():
     from ttftc.passes.registry import pass_names
 
     steps = ablation_steps()
     assert steps[0].label == "baseline" and steps[0].variant == "ttftc[passes=none,precision=fp32]"
     assert len(steps) == 1 + len(pass_names())
-    for i, name in enumerate(pass_names(), start=1):
-        assert steps[i].label.startswith(f"+{name}")
-        assert f"passes={'+'.join(pass_names()[:i])}," in steps[i].variant
+    fp32_passes = [name for name in pass_names() if name != "precision"]
+    for i, name in enumerate(fp32_passes, start=1):
+        assert steps[i].label == f"+{name}"
+        assert steps[i].variant == f"ttftc[passes={'+'.join(fp32_passes[:i])},precision=fp32]"
         get_variant(steps[i].variant)  # every step is a valid variant
     if "precision" in pass_names():
-        assert steps[-1].variant.endswith("precision=bf16]")
+        assert steps[-1].label == "+precision(bf16)"
+        assert steps[-1].variant == f"ttftc[passes={'+'.join(fp32_passes + ['precision'])},precision=bf16]"
+        get_variant(steps[-1].variant)
 
 
 def test_ablation_runs_on_tiny(tmp_path, capsys):

@@ -100,10 +100,11 @@ def test_column_blocked_gemm_is_exact_with_and_without_bias(n_block):
     torch.testing.assert_close(linear_2d(x, w, b, n_block), torch.addmm(b, x, w.t()))
 
 
-def test_fused_cpu_ops_expose_the_column_block_knob():
+def test_cpu_gemm_ops_expose_the_backend_and_column_block_knobs():
     from ttftc.autotune.space import space_for
     from ttftc.codegen.lowering import load_providers
 
     load_providers()
-    for op in ("gated_ffn", "linear_act", "norm_linear"):
-        assert space_for(op, "cpu").axes["n_block"] == (0, 512, 1024, 2048)
+    for op in ("gated_ffn", "linear_act", "norm_linear", "linear"):
+        axes = space_for(op, "cpu").axes
+        assert axes["n_block"] == (0, 512, 1024, 2048) and axes["gemm"] == ("onednn", "blas")

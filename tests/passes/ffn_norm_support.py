@@ -15,6 +15,7 @@ GEMM_WEIGHT = {
     aten.mm.default: 1,
     aten.addmm.default: 1,
     torch.ops.ttftc.norm_linear.default: 1,
+    torch.ops.ttftc.linear.default: 1,
     torch.ops.ttftc.linear_act.default: 1,
     torch.ops.ttftc.gated_ffn.default: 2,
 }

@@ -1,7 +1,9 @@
-"""`tune_model`: compile a model at each bucket length, collect its ttftc op instances, tune them, cache results."""
+"""`tune_model`: compile a model at each bucket length, collect its ttftc op instances, tune them, cache results;
+optionally then tune the chunk size of chunked prefill per bucket (autotune/chunking.py)."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -34,12 +36,20 @@ def tune_model(
     timer: Optional[Callable] = None,
     retune: bool = False,
     progress: bool = True,
+    chunk_sizes: Optional[Sequence[int]] = None,
 ) -> list[TuneResult]:
-    """Tune every ttftc op instance `model` compiles to at each prompt length in `buckets`."""
+    """Tune every ttftc op instance `model` compiles to at each prompt length in `buckets`.
+
+    With `chunk_sizes`, then time chunked prefill (ttftc.runtime.PrefillEngine on the model compiled with
+    `config`, reading the kernel configs just tuned) at each bucket length with each of those chunk sizes and the
+    whole prompt, within what is left of the budget, and cache the fastest per bucket.
+    """
     wanted = check_ops(ops)
     Config(buckets=tuple(buckets))  # the same validation, and the same message, as everywhere else
     if not budget_s > 0:
         raise ValueError(f"autotune budget must be positive seconds, got {budget_s!r}")
+    if chunk_sizes is not None and (not chunk_sizes or any(int(c) < 1 for c in chunk_sizes)):
+        raise ValueError(f"chunk sizes must be positive integers, got {list(chunk_sizes)!r}")
     cache = cache or AutotuneCache()
     cache.check_writable()
     config = config or Config()
@@ -56,5 +66,26 @@ def tune_model(
         found = collect_problems(backend.graph_modules, bucket)
         instances.extend(i for i in found if wanted is None or i.problem.op in wanted)
     torch._dynamo.reset()
-    return tune_instances(instances, cache=cache, budget_s=budget_s, device=device, timer=timer, retune=retune,
-                          progress=progress)
+    started = time.monotonic()
+    results = tune_instances(instances, cache=cache, budget_s=budget_s, device=device, timer=timer, retune=retune,
+                             progress=progress)
+    if chunk_sizes:
+        results += _tune_chunks(model, buckets, chunk_sizes, config=config, cache=cache,
+                                budget_s=budget_s - (time.monotonic() - started), timer=timer, retune=retune,
+                                progress=progress)
+    return results
+
+
+def _tune_chunks(model, buckets, chunk_sizes, *, config: Config, cache: AutotuneCache, budget_s: float, timer,
+                 retune: bool, progress: bool) -> list[TuneResult]:
+    from ttftc.autotune.chunking import TOLERANCE, tune_chunk_sizes
+
+    compiled = torch.compile(model, backend=TtftcBackend(config, autotune_cache=cache))
+    # Every chunk size and KV length is a new shape to Dynamo: allow the recompiles rather than fall back to eager.
+    try:
+        with torch._dynamo.config.patch(recompile_limit=64), torch.inference_mode():
+            return tune_chunk_sizes(compiled, buckets, chunk_sizes, cache=cache, budget_s=budget_s,
+                                    tolerance=TOLERANCE[config.precision], timer=timer, progress=progress,
+                                    retune=retune)
+    finally:
+        torch._dynamo.reset()

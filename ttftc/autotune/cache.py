@@ -123,6 +123,15 @@ class AutotuneCache:
             if entry is not None:
                 yield entry
 
+    def fresh_entries(self) -> Iterator[TuneEntry]:
+        """The entries tuned with the running versions of ttftc, torch and triton (stale ones warn once)."""
+        versions = current_versions()
+        for entry in self.entries():
+            if entry.versions == versions:
+                yield entry
+            else:
+                self._warn_once(f"stale entry for {entry.key.op} (tuned with {entry.versions}, running {versions})")
+
     # -- writing --------------------------------------------------------------------------------------------
     def check_writable(self) -> None:
         """Raise a clear error now rather than after minutes of tuning."""

@@ -2,6 +2,10 @@
 
 A lowering that has knobs registers a SearchSpace next to its kernel, and accepts a `tuning_config` keyword (a
 dict, or None for its defaults). The tuner times candidates; codegen passes the cached winner at compile time.
+
+One provider can need different spaces on different devices: the Triton kernels have num_warps/num_stages on GPUs
+but block sizes and multibuffer under triton-ascend on NPUs. A space registered with a `device_type` serves that
+device only; `space_for(op, provider, device_type)` prefers it and falls back to the device-independent space.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class SearchSpace:
     # Builds real inputs for timing; defaults to random tensors of the problem's shapes.
     make_inputs: Optional[Callable[[Problem, str], tuple[tuple, dict]]] = None
     notes: str = ""
+    device_type: Optional[str] = None  # None: every device the provider runs on; else only this one ("npu")
 
     def grid(self) -> list[Config]:
         names = list(self.axes)
@@ -102,19 +107,27 @@ class SearchSpace:
         return allowed, pruned
 
 
-_SPACES: dict[tuple[str, str], SearchSpace] = {}
+# (op, provider) for device-independent spaces, (op, provider, device_type) for device-specific ones.
+_SPACES: dict[tuple, SearchSpace] = {}
 
 
 def register_space(space: SearchSpace) -> SearchSpace:
-    _SPACES[(space.op, space.provider)] = space
+    key = (space.op, space.provider) if space.device_type is None else (space.op, space.provider, space.device_type)
+    _SPACES[key] = space
     return space
 
 
-def space_for(op: str, provider: str) -> Optional[SearchSpace]:
+def space_for(op: str, provider: str, device_type: Optional[str] = None) -> Optional[SearchSpace]:
+    """The space for `op` under `provider` on `device_type` ("cpu", "cuda", "npu"; an index such as "npu:0" is
+    ignored): the device's own space if one is registered, else the device-independent one."""
+    if device_type is not None:
+        specific = _SPACES.get((op, provider, str(device_type).split(":")[0]))
+        if specific is not None:
+            return specific
     return _SPACES.get((op, provider))
 
 
-def all_spaces() -> dict[tuple[str, str], SearchSpace]:
+def all_spaces() -> dict[tuple, SearchSpace]:
     return dict(_SPACES)
 
 

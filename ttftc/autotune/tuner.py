@@ -25,6 +25,10 @@ from ttftc.ops.registry import all_ops, get_op
 
 # Tolerances for accepting a candidate's output against the reference, per output dtype.
 _ACCEPT = {torch.float32: (1e-3, 1e-3), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
+# A candidate replaces the default only when its median is at least this much faster. Smaller measured gains are
+# within the noise of a shared machine, and winners by noise alone were seen to run slower inside the whole model
+# (llama-135m bf16, one `ttftc bench` run: configs picked for 0.3-2% kernel gains gave a 512-token p50 6% slower).
+MIN_GAIN = 0.03
 
 
 @dataclass
@@ -52,7 +56,10 @@ def _close(actual: Any, expected: Any) -> bool:
     if actual.shape != expected.shape:
         return False
     atol, rtol = _ACCEPT.get(expected.dtype, (1e-3, 1e-3))
-    return bool(torch.allclose(actual.float(), expected.float(), atol=atol, rtol=rtol))
+    # The absolute tolerance scales with the output's magnitude: a GEMM over K=2816 that sums to thousands differs
+    # from another correct GEMM by more than 1e-3 on its near-zero entries, from reassociation alone.
+    scale = max(1.0, float(expected.float().abs().max())) if expected.numel() else 1.0
+    return bool(torch.allclose(actual.float(), expected.float(), atol=atol * scale, rtol=rtol))
 
 
 def tune_problem(
@@ -90,8 +97,16 @@ def tune_problem(
     if not timings:
         result.status = "skipped: no candidate ran correctly"
         return result
-    result.tuned_ms, result.config = min(timings, key=lambda t: t[0])
+    result.tuned_ms, result.config = best_over_default(timings, result.default_ms)
     return result
+
+
+def best_over_default(timings: Sequence[tuple[float, dict]], default_ms: float) -> tuple[float, dict]:
+    """(ms, config) of the fastest candidate, unless it beats the default (timings[0]) by less than MIN_GAIN."""
+    best_ms, best = min(timings, key=lambda t: t[0])
+    if not math.isnan(default_ms) and best_ms > default_ms * (1.0 - MIN_GAIN):
+        return timings[0]
+    return best_ms, best
 
 
 @dataclass(frozen=True)
@@ -142,8 +157,8 @@ def tune_instances(
     work = []
     results = []
     for inst in instances:
-        space = space_for(inst.problem.op, inst.problem.provider)
-        impl = _impl_for(inst.problem.op, inst.problem.provider)
+        impl = _impl_for(inst.problem.op, inst.problem.provider)  # loads the providers, which register the spaces
+        space = space_for(inst.problem.op, inst.problem.provider, device)
         if space is None or impl is None:
             results.append(TuneResult(inst.problem, inst.bucket, f"skipped: {inst.problem.provider} has no knobs"))
             continue
@@ -191,14 +206,17 @@ def _progress(total: int, *, enabled: bool):
 
 
 def summary_table(results: Sequence[TuneResult]) -> str:
-    lines = [f"{'op':<12}{'provider':<10}{'bucket':>7}{'default ms':>12}{'tuned ms':>10}{'speedup':>9}  config / status"]
+    op_w = max([len("op")] + [len(r.problem.op) for r in results]) + 2
+    prov_w = max([len("provider")] + [len(r.problem.provider) for r in results]) + 2
+    lines = [f"{'op':<{op_w}}{'provider':<{prov_w}}{'bucket':>7}{'default ms':>12}{'tuned ms':>10}{'speedup':>9}"
+             "  config / status"]
     for r in results:
         bucket = "-" if r.bucket is None else str(r.bucket)
         detail = str(r.config) if r.status in ("tuned", "cached") else r.status
         if r.status == "cached":
             detail += " (cached)"
         lines.append(
-            f"{r.problem.op:<12}{r.problem.provider:<10}{bucket:>7}{r.default_ms:>12.3f}{r.tuned_ms:>10.3f}"
+            f"{r.problem.op:<{op_w}}{r.problem.provider:<{prov_w}}{bucket:>7}{r.default_ms:>12.3f}{r.tuned_ms:>10.3f}"
             f"{r.speedup:>9.2f}  {detail}"
         )
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """The ablation: ttftc's passes switched on one at a time, in pipeline order.
 
 Steps: a baseline with no pass, then each registered pass added to the previous step, in the order of
-`ttftc.passes.registry.pass_names()`. The step that adds the `precision` pass also sets precision="bf16"
-(in fp32 that pass has nothing to do). Passes that are not registered (yet) have no step.
+`ttftc.passes.registry.pass_names()`, all in fp32; the `precision` pass comes last whatever its place in the
+pipeline, as the step that also sets precision="bf16" (in fp32 that pass has nothing to do). Keeping it last
+means every fp32 step is compared with an fp32 step, and the fp32 steps' last one is ttftc's whole fp32 pipeline.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ def ablation_steps() -> list[AblationStep]:
     steps = [AblationStep("baseline", ttftc_spec(()))]
     enabled: list[str] = []
     for name in pass_names():
-        enabled.append(name)
-        if name == "precision":
-            steps.append(AblationStep(f"+precision({ABLATION_PRECISION})", ttftc_spec(tuple(enabled), ABLATION_PRECISION)))
-        else:
+        if name != "precision":
+            enabled.append(name)
             steps.append(AblationStep(f"+{name}", ttftc_spec(tuple(enabled))))
+    if "precision" in pass_names():
+        enabled.append("precision")
+        steps.append(AblationStep(f"+precision({ABLATION_PRECISION})", ttftc_spec(tuple(enabled), ABLATION_PRECISION)))
     return steps

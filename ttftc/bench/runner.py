@@ -34,7 +34,7 @@ from ttftc.bench.models import ModelSource, ModelSpec, example_prompt, max_posit
 from ttftc.bench.progress import Progress
 from ttftc.bench.roofline import GemmPeak, PeakMeter, bound_ms, describe_prefill, prefill_flops
 from ttftc.bench.timing import summarize_ms, time_call
-from ttftc.bench.variants import DEFAULT_VARIANTS, Prepared, Variant, get_variant
+from ttftc.bench.variants import DEFAULT_VARIANTS, Prepared, Variant, autotune_cache_for_variants, get_variant
 from ttftc.bench.workloads import DEFAULT_WORKLOAD, ServeTarget, Workload, WorkloadContext, get_workload
 
 SCHEMA_VERSION = 1
@@ -60,6 +60,7 @@ class BenchSettings:
     peak_repeats: int = 4
     first_call_timeout_s: float = 600.0
     progress: bool = True
+    autotune_cache: Optional[str] = None  # what `tuned=on` variants read (None: the default autotune cache)
 
 
 @dataclass
@@ -108,7 +109,16 @@ def plan(settings: BenchSettings) -> _Plan:
     if not names:
         raise BenchInputError("no variants to run")
     variants = [get_variant(n) for n in names]
+    if settings.autotune_cache is not None and not os.path.isdir(settings.autotune_cache):
+        raise BenchInputError(f"--autotune-cache {settings.autotune_cache!r} is not a directory")
     return _Plan(settings, spec, variants, get_workload(settings.workload), steps)
+
+
+def _autotune_dir(settings: BenchSettings) -> str:
+    # Resolved before fresh_cache_dirs() moves TTFTC_CACHE_DIR, so the default is the user's cache, not an empty one.
+    from ttftc.autotune.cache import default_cache_dir
+
+    return settings.autotune_cache or str(default_cache_dir())
 
 
 @contextlib.contextmanager
@@ -148,10 +158,13 @@ def run_bench(settings: BenchSettings) -> dict:
     cold_steps = len(p.variants) * len(s.seqs) if s.first_call == "subprocess" else 0
     progress = Progress(3 + len(p.variants) * (len(s.seqs) * per_seq_steps + 1) + cold_steps, enabled=s.progress)
     details: dict[str, dict] = {}
+    autotune_dir = _autotune_dir(s)
     try:
         torch._dynamo.reset()
-        with fresh_cache_dirs():
+        with fresh_cache_dirs(), autotune_cache_for_variants(autotune_dir):
             progress.note(f"ttftc bench: {p.spec.name} on {s.device}, {torch.get_num_threads()} threads")
+            if any("tuned=on" in v.name for v in p.variants):
+                progress.note(f"tuned=on variants read the autotune cache {autotune_dir}")
             meter = PeakMeter(device=s.device, size=s.peak_size)
             meter.sample(s.peak_repeats)
             progress.step("GEMM peaks", 3)
@@ -179,7 +192,7 @@ def run_bench(settings: BenchSettings) -> dict:
             gc.collect()
     finally:
         progress.close()
-    return _document(p, peaks, shape, model_info, cells, details, time.perf_counter() - started)
+    return _document(p, peaks, shape, model_info, cells, details, time.perf_counter() - started, autotune_dir)
 
 
 def _build_all(p: _Plan, source: ModelSource, cells: dict, progress: Progress) -> dict[str, Prepared]:
@@ -321,7 +334,8 @@ def _versions() -> dict[str, Optional[str]]:
     return versions
 
 
-def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, details, elapsed_s: float) -> dict:
+def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, details, elapsed_s: float,
+              autotune_dir: Optional[str] = None) -> dict:
     s = p.settings
     results = []
     for variant in p.variants:
@@ -372,6 +386,7 @@ def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, de
             "workload": p.workload.name,
             "first_call": s.first_call,
             "prefill": PREFILL_DESCRIPTION,
+            "autotune_cache": autotune_dir,
         },
         "peak": {d: pk.gflops for d, pk in peaks.items()},
         "peak_details": {

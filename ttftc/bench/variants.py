@@ -9,7 +9,13 @@
     ttftc-fp32     torch.compile with ttftc.backend(Config(precision="fp32")); likewise ttftc-bf16, ttftc-int8
 
 Any ttftc Config can also be named directly: `ttftc[passes=attention+ffn,precision=bf16]` (passes: `all`,
-`none`, or pass names joined by `+`). The ablation uses that form.
+`none`, or pass names joined by `+`). The ablation uses that form. `tuned=off` compiles with
+Config(autotune=False): every kernel at its default config. `tuned=on` reads the autotune cache that `ttftc bench`
+resolved before pointing the compile caches at fresh directories (`--autotune-cache DIR`, else the default
+location: $TTFTC_AUTOTUNE_CACHE, $TTFTC_CACHE_DIR/autotune, ~/.cache/ttftc/autotune), handed to the variant (and
+to its cold-start processes) in $TTFTC_BENCH_AUTOTUNE_CACHE. Without `tuned=`, a variant compiles as any
+`ttftc.backend(Config(...))` does in the bench process, whose autotune cache is the fresh one unless
+$TTFTC_AUTOTUNE_CACHE is set.
 
 Every compiled variant compiles its own module object (see `ModelSource.instance`), with Dynamo's default
 settings (automatic dynamic shapes: the second distinct length recompiles with a symbolic sequence length).
@@ -17,9 +23,11 @@ settings (automatic dynamic shapes: the second distinct length recompiles with a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -76,11 +84,41 @@ def _torchao_int8(source: ModelSource) -> Prepared:
     return Prepared(compiled)
 
 
-def _ttftc(config_kwargs: dict, attn: str = "sdpa") -> Callable[[ModelSource], Prepared]:
+# How `ttftc bench` hands the autotune cache of `tuned=on` variants to them and to their cold-start processes.
+AUTOTUNE_CACHE_ENV = "TTFTC_BENCH_AUTOTUNE_CACHE"
+TUNED_VALUES = ("on", "off")
+
+
+def bench_autotune_dir() -> str:
+    """The autotune cache `tuned=on` variants read: the bench's choice, else the default location."""
+    from ttftc.autotune.cache import default_cache_dir
+
+    return os.environ.get(AUTOTUNE_CACHE_ENV) or str(default_cache_dir())
+
+
+@contextlib.contextmanager
+def autotune_cache_for_variants(directory: str) -> Iterator[None]:
+    """Point `tuned=on` variants (and the processes this one starts) at `directory` for the block's duration."""
+    saved = os.environ.get(AUTOTUNE_CACHE_ENV)
+    os.environ[AUTOTUNE_CACHE_ENV] = str(directory)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(AUTOTUNE_CACHE_ENV, None)
+        else:
+            os.environ[AUTOTUNE_CACHE_ENV] = saved
+
+
+def _ttftc(config_kwargs: dict, attn: str = "sdpa", tuned: Optional[str] = None) -> Callable[[ModelSource], Prepared]:
     def build(source: ModelSource) -> Prepared:
         import ttftc
+        from ttftc.autotune.cache import AutotuneCache
+        from ttftc.dynamo_backend import TtftcBackend
 
-        backend = ttftc.backend(ttftc.Config(**config_kwargs))
+        config = ttftc.Config(**config_kwargs, autotune=tuned != "off")
+        cache = AutotuneCache(bench_autotune_dir()) if tuned == "on" else None
+        backend = TtftcBackend(config, autotune_cache=cache)
         compiled = torch.compile(source.instance(attn=attn), backend=backend)
 
         def details() -> dict:
@@ -128,10 +166,10 @@ def _parse_ttftc_spec(name: str) -> Variant:
     fields: dict[str, str] = {}
     for item in filter(None, body.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("passes", "precision", "attn"):
+        if not sep or key.strip() not in ("passes", "precision", "attn", "tuned"):
             raise BenchInputError(
                 f"malformed variant {name!r}: expected ttftc[passes=a+b|all|none,precision=fp32|bf16|int8"
-                ",attn=sdpa|eager]"
+                ",attn=sdpa|eager,tuned=on|off]"
             )
         fields[key.strip()] = value.strip()
     passes_text = fields.get("passes", "all")
@@ -146,10 +184,14 @@ def _parse_ttftc_spec(name: str) -> Variant:
     attn = fields.get("attn", "sdpa")
     if attn not in ("sdpa", "eager"):
         raise BenchInputError(f"variant {name!r}: attn must be sdpa or eager, got {attn!r}")
+    tuned = fields.get("tuned")
+    if tuned is not None and tuned not in TUNED_VALUES:
+        raise BenchInputError(f"variant {name!r}: tuned must be on or off, got {tuned!r}")
     dtype = precision if precision in ("bf16", "int8") else "fp32"
     kwargs = {"passes": passes, "precision": precision}
-    return Variant(name, dtype, f"ttftc, passes={passes_text}, precision={precision}, attention {attn}",
-                   _ttftc(kwargs, attn), compiles=True)
+    tuning = "" if tuned is None else f", autotuned configs {tuned}"
+    return Variant(name, dtype, f"ttftc, passes={passes_text}, precision={precision}, attention {attn}{tuning}",
+                   _ttftc(kwargs, attn, tuned), compiles=True)
 
 
 def get_variant(name: str) -> Variant:

@@ -134,26 +134,31 @@ def choose(op: str, ctx: LoweringContext, args, kwargs) -> tuple[Optional[Loweri
     return None, skipped
 
 
-def _tuned_config(op: str, provider: str, node: fx.Node) -> Optional[dict]:
-    """The autotuned config for this op instance from the persistent cache, if `ttftc autotune` stored one."""
+def _tuned_config(op: str, provider: str, node: fx.Node, cache=None) -> Optional[dict]:
+    """The autotuned config for this op instance from the persistent cache (`cache`, else the default autotune
+    cache), if `ttftc autotune` stored one."""
     from ttftc.autotune.cache import AutotuneCache
     from ttftc.autotune.keys import key_for
     from ttftc.autotune.space import Problem, space_for
 
-    if space_for(op, provider) is None:
+    device_type = _node_device_type(node)
+    if space_for(op, provider, device_type) is None:
         return None
     args, kwargs = _meta(node.args), _meta(node.kwargs)
     if not Problem.is_static(args, kwargs):
         return None
-    entry = AutotuneCache().lookup(key_for(Problem.from_meta(op, provider, args, kwargs), _node_device_type(node)))
+    cache = cache if cache is not None else AutotuneCache()
+    entry = cache.lookup(key_for(Problem.from_meta(op, provider, args, kwargs), device_type))
     return entry.config if entry is not None else None
 
 
-def lower_graph(gm: fx.GraphModule, *, provider: str) -> list[LoweringDecision]:
+def lower_graph(gm: fx.GraphModule, *, provider: str, autotune: bool = True,
+                autotune_cache=None) -> list[LoweringDecision]:
     """Swap each ttftc op node's target for its chosen provider's implementation, in place.
 
     The device comes from each node's own output, never from the Config: a lowering for a device the tensors
-    are not on could only crash.
+    are not on could only crash. With `autotune` (Config.autotune), each lowering gets the config `ttftc autotune`
+    stored for its op instance in `autotune_cache` (an AutotuneCache; None: the default one), if any.
     """
     load_providers()
     forced = None if provider == "auto" else provider
@@ -173,7 +178,7 @@ def lower_graph(gm: fx.GraphModule, *, provider: str) -> list[LoweringDecision]:
             decisions.append(LoweringDecision(node.name, op, REFERENCE, skipped))
             continue
         node.meta["ttftc_op"] = op
-        tuned = _tuned_config(op, chosen.provider, node)
+        tuned = _tuned_config(op, chosen.provider, node, autotune_cache) if autotune else None
         if tuned is not None:
             node.kwargs = {**node.kwargs, "tuning_config": tuned}
         if chosen.prepare is not None:

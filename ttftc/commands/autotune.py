@@ -1,9 +1,11 @@
 """`ttftc autotune MODEL`: tune every ttftc kernel the model compiles to, per bucket, into a persistent cache.
 
     ttftc autotune llama-135m --buckets 512,2048 --budget-s 300 --cache DIR
+    ttftc autotune llama-135m --buckets 512,2048 --chunk-sizes 256,512,1024   # also chunked prefill's chunk size
     ttftc autotune --show [--cache DIR]
 
-Later compiles read the cache automatically ($TTFTC_AUTOTUNE_CACHE, default ~/.cache/ttftc/autotune).
+Later compiles read the cache automatically ($TTFTC_AUTOTUNE_CACHE, default ~/.cache/ttftc/autotune), and so does
+ttftc.runtime.PrefillEngine for its chunk size when it is given none.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ def _buckets(text: str) -> tuple[int, ...]:
     parts = [p.strip() for p in text.split(",")]
     if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"malformed --buckets {text!r}: expected positive integers like 512,2048")
+    return tuple(sorted(set(int(p) for p in parts)))
+
+
+def _chunk_sizes(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"malformed --chunk-sizes {text!r}: expected positive integers like 256,512")
     return tuple(sorted(set(int(p) for p in parts)))
 
 
@@ -37,6 +46,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ops", type=_ops, default=None, help="only these ttftc ops, comma-separated")
     p.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32")
     p.add_argument("--provider", choices=("auto", "triton", "cpu", "npu"), default="auto")
+    p.add_argument("--chunk-sizes", type=_chunk_sizes, default=None,
+                   help="also time chunked prefill (ttftc.runtime.PrefillEngine) at each bucket with these chunk "
+                   "sizes and the whole prompt, and cache the fastest")
     p.add_argument("--retune", action="store_true", help="measure again even where the cache has an entry")
     p.add_argument("--show", action="store_true", help="list the cache's contents and exit")
     p.set_defaults(run=run)
@@ -45,9 +57,11 @@ def add_parser(subparsers) -> None:
 def _show(cache) -> int:
     entries = list(cache.entries())
     print(f"{cache.directory}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
+    op_w = max([12] + [len(e.key.op) + 2 for e in entries])
+    prov_w = max([8] + [len(e.key.provider) + 2 for e in entries])
     for e in entries:
         speedup = e.default_ms / e.tuned_ms if e.tuned_ms else float("nan")
-        print(f"{e.key.op:<12}{e.key.provider:<8}{e.key.dtype:<9}{e.tuned_ms:>9.3f} ms  x{speedup:.2f}  "
+        print(f"{e.key.op:<{op_w}}{e.key.provider:<{prov_w}}{e.key.dtype:<9}{e.tuned_ms:>9.3f} ms  x{speedup:.2f}  "
               f"{e.config}  [{e.key.shapes}] [{e.key.device}] {e.versions}")
     return 0
 
@@ -76,7 +90,7 @@ def run(args) -> int:
     model = load_model(spec)
     config = ttftc.Config(precision=args.precision, provider=args.provider)
     results = tune_model(model, args.buckets, config=config, cache=cache, budget_s=args.budget_s, ops=args.ops,
-                         retune=args.retune)
+                         retune=args.retune, chunk_sizes=args.chunk_sizes)
     print(summary_table(results))
     print(f"cache: {cache.directory}")
     return 0

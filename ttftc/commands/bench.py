@@ -48,7 +48,11 @@ def add_parser(subparsers) -> None:
                    help=f"prompt lengths (default {DEFAULT_SEQS})")
     p.add_argument("--variants", metavar="V[,V...]",
                    help="variants to run (default: all of eager-sdpa, eager-attn, inductor, inductor-bf16, "
-                   "torchao-int8, ttftc-fp32, ttftc-bf16, ttftc-int8); also ttftc[passes=a+b,precision=bf16]")
+                   "torchao-int8, ttftc-fp32, ttftc-bf16, ttftc-int8); also ttftc[passes=a+b,precision=bf16], "
+                   "with tuned=on|off to compile with or without autotuned kernel configs")
+    p.add_argument("--autotune-cache", metavar="DIR", default=None,
+                   help="the autotune cache tuned=on variants read (default $TTFTC_AUTOTUNE_CACHE, else "
+                   "$TTFTC_CACHE_DIR/autotune, else ~/.cache/ttftc/autotune)")
     p.add_argument("--repeats", type=_positive, default=DEFAULT_REPEATS,
                    help=f"measured runs per variant and length (default {DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=_non_negative, default=DEFAULT_WARMUP,
@@ -123,6 +127,7 @@ def run(args) -> int:
             device=args.device,
             peak_size=args.peak_size,
             progress=not args.no_progress,
+            autotune_cache=args.autotune_cache,
         )
         doc = run_bench(settings)
     except BenchInputError as exc:

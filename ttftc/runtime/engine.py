@@ -9,6 +9,10 @@
 `model` is a transformers causal LM, plain or compiled (`torch.compile(model, backend=ttftc.backend(...))`). The
 engine calls it with `past_key_values` (a DynamicCache), explicit `position_ids` (so learned absolute positions, as
 in GPT-2, are right for a suffix) and `logits_to_keep=1`. Batch size is 1: each request is its own forward.
+
+Without a `chunk_size`, the engine uses the chunk size `ttftc autotune MODEL --chunk-sizes ...` stored for this
+model, device and runner (autotune/chunking.py), per prompt length; with none stored, or with `autotune=False`,
+each prompt runs in one forward.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ PromptIds = Union[torch.Tensor, Sequence[int]]
 
 class PrefillEngine:
     def __init__(self, model: torch.nn.Module, prefix_cache: Optional[PrefixCache] = None,
-                 chunk_size: Optional[int] = None):
+                 chunk_size: Optional[int] = None, *, autotune: bool = True, autotune_cache=None):
         if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                        or chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
@@ -37,6 +41,12 @@ class PrefillEngine:
         self.geometry = ModelGeometry.of(model)
         self.device = next(unwrap_model(model).parameters()).device
         self.chunk_size = chunk_size
+        # {tuned prompt length: chunk size} from the autotune cache (an AutotuneCache; None: the default one).
+        self.tuned_chunk_sizes: dict[int, Optional[int]] = {}
+        if chunk_size is None and autotune:
+            from ttftc.autotune.chunking import tuned_chunk_sizes
+
+            self.tuned_chunk_sizes = tuned_chunk_sizes(model, autotune_cache)
         self.prefix_cache = prefix_cache
         if prefix_cache is not None:
             prefix_cache.bind(self.geometry.block_bytes(prefix_cache.block_size), owner=unwrap_model(model))
@@ -102,9 +112,17 @@ class PrefillEngine:
         """
         return self._run(self.start_extend(handle, input_ids, sampling=sampling))
 
+    def chunk_size_for(self, n_tokens: int) -> Optional[int]:
+        """The chunk size a prefill of `n_tokens` uncached tokens runs with (None: one forward)."""
+        if self.chunk_size is not None or not self.tuned_chunk_sizes:
+            return self.chunk_size
+        from ttftc.autotune.chunking import pick_chunk_size
+
+        return pick_chunk_size(self.tuned_chunk_sizes, n_tokens)
+
     def _run(self, job: PrefillJob) -> FirstToken:
         try:
-            return job.run(self.chunk_size)
+            return job.run(self.chunk_size_for(job.remaining))
         except BaseException:
             job.cancel()
             raise

@@ -1,11 +1,18 @@
-"""What the CPU lowerings share: the BLAS GEMM of a linear (column-blocked for wide merged weights), and the
-capability rule for it.
+"""What the CPU lowerings share: the GEMM of a linear, its two backends, and the capability rule for it.
 
-Weights stay in their frozen [N, K] layout and reach BLAS as the transposed view `w.t()` (transB), with no
-compile-time copy: benchmarks/ffn_norm_cpu.py measured a contiguous [K, N] copy made at compile time against
-the view at llama-135m shapes (512 tokens; K/N of 1024/3072, 1024/5632, 2816/1024) and found no difference
-beyond noise (0.95x to 1.13x, in both directions, fp32 and bf16), while the copy would double the memory of
-every weight it touched (the lm_head alone is 131 MB at 32k vocabulary).
+Two GEMM backends compute x · wᵀ for a weight stored [N, K]:
+  "onednn"  oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`). On the AMD EPYC (Zen 4) this project is measured
+            on, it is the faster fp32 GEMM at every llama-135m shape: 1.1-1.6x over MKL's sgemm (which takes its
+            non-Intel code path here), 217 against 178 GFLOP/s at 2048³ (benchmarks/wide_gemm_cpu.py). In bf16 the
+            two are within noise of each other. It writes a fresh output, so it takes no column blocking.
+  "blas"    `torch.mm`/`torch.addmm` (MKL), optionally in column blocks written into one output buffer: with this
+            backend one GEMM over a merged weight measured slower than the separate GEMMs it replaced, and 1024-column
+            blocks fastest (512 tokens, K=1024: q|k|v 17.9 ms merged, 17.1 separate, 16.9 blocked).
+Both are autotune knobs per op instance (`WIDE_GEMM_SPACE_AXES`); the default is oneDNN where it can run.
+
+Weights stay in their frozen [N, K] layout and reach the GEMM as-is (oneDNN) or as the transposed view `w.t()`
+(BLAS transB), with no compile-time copy: a contiguous [K, N] copy measured no faster at llama-135m shapes
+(benchmarks/ffn_norm_cpu.py) and would double the memory of every weight it touched.
 """
 
 from __future__ import annotations
@@ -14,19 +21,55 @@ from typing import Optional
 
 import torch
 
-
-# Output columns per BLAS call for the merged (wide) weights of the fused ops. On the 2-core AMD EPYC this project
-# is measured on, one GEMM over a merged weight was slower than the separate GEMMs it replaced, and 1024-column
-# blocks written into one output buffer were the fastest (benchmarks/wide_gemm_cpu.py, 512 tokens, K=1024:
-# q|k|v 17.9 ms merged, 17.1 separate, 16.9 blocked; gate|up 34.6 merged, 31.7 separate, 31.2 blocked).
-# 0 disables blocking. Autotunable per op instance (`WIDE_GEMM_SPACE_AXES`).
-DEFAULT_N_BLOCK = 1024
-WIDE_GEMM_SPACE_AXES = {"n_block": (0, 512, 1024, 2048)}
+GEMM_BACKENDS = ("onednn", "blas")
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+DEFAULT_N_BLOCK = 1024  # for the "blas" backend only
+WIDE_GEMM_SPACE_AXES = {"gemm": GEMM_BACKENDS, "n_block": (0, 512, 1024, 2048)}
 
 
-def linear_2d(x2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], n_block: int = 0) -> torch.Tensor:
-    """x2d · wᵀ (+ bias) for w stored [N, K]: one BLAS call, or one per `n_block` output columns into one buffer
-    (each writes its column slice in place: BLAS takes the row stride as ldc, so nothing is copied)."""
+def onednn_reason(dtype: torch.dtype) -> Optional[str]:
+    """None when the oneDNN GEMM can run this dtype on this build, else why not."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    if dtype not in ONEDNN_DTYPES:
+        return f"oneDNN GEMM path covers {[str(d) for d in ONEDNN_DTYPES]}, not {dtype}"
+    return None
+
+
+def default_gemm(dtype: torch.dtype) -> str:
+    return "onednn" if onednn_reason(dtype) is None else "blas"
+
+
+def gemm_options(tuning_config: Optional[dict], dtype: torch.dtype) -> dict:
+    """The `gemm` and `n_block` arguments of linear_2d: the tuned ones when given, else the defaults for dtype."""
+    tuned = tuning_config or {}
+    gemm = tuned.get("gemm", default_gemm(dtype))
+    if gemm == "onednn" and onednn_reason(dtype) is not None:
+        gemm = "blas"  # a cache entry tuned on another build must not break this one
+    n_block = int(tuned.get("n_block", DEFAULT_N_BLOCK if gemm == "blas" else 0))
+    return {"gemm": gemm, "n_block": n_block}
+
+
+def default_wide_gemm_config(problem) -> dict:
+    """Search-space default for the ops whose first tensor is the activation."""
+    return gemm_options(None, problem.tensors()[0].dtype)
+
+
+def wide_gemm_constraint(config: dict, problem) -> Optional[str]:
+    if config["gemm"] == "onednn":
+        if config["n_block"]:
+            return "column blocks apply to the blas backend only"
+        return onednn_reason(problem.tensors()[0].dtype)
+    return None
+
+
+def linear_2d(x2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], n_block: int = 0, *,
+              gemm: str = "blas") -> torch.Tensor:
+    """x2d · wᵀ (+ bias) for w stored [N, K] with the chosen backend. With "blas" and n_block > 0, one BLAS call per
+    n_block output columns into one buffer (each writes its column slice in place: BLAS takes the row stride as
+    ldc, so nothing is copied)."""
+    if gemm == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x2d, w, bias, "none", [], "")
     n = w.shape[0]
     if n_block <= 0 or n <= n_block:
         return torch.addmm(bias, x2d, w.t()) if bias is not None else torch.mm(x2d, w.t())
@@ -38,10 +81,6 @@ def linear_2d(x2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
         else:
             torch.mm(x2d, w[start:stop].t(), out=out[:, start:stop])
     return out
-
-
-def n_block_of(tuning_config: Optional[dict]) -> int:
-    return int((tuning_config or {}).get("n_block", DEFAULT_N_BLOCK))
 
 
 def cpu_linear_reason(ctx, x, *weights) -> Optional[str]:

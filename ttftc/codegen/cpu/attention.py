@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ttftc.autotune.space import Problem, SearchSpace, register_space
+from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
 from ttftc.codegen.lowering import register_lowering
 from ttftc.ops.attention import attention_mask
 
@@ -120,22 +121,25 @@ def _attend(q, k, v, *, causal: bool, scale: float, q_offset: int, window: int, 
 
 
 def _only_offset_or_window_cases(config: dict, problem: Problem) -> Optional[str]:
-    # The knobs only steer the offset/window paths; plain causal prefill is one flash call whatever they say.
+    # These knobs only steer the offset/window paths; plain causal prefill is one flash call whatever they say
+    # (only its thread count is worth a search).
     options = problem.options
-    if options.get("q_offset", 0) == 0 and options.get("window", 0) == 0 and config != DEFAULT_TUNING:
-        return "plain causal attention has no knob: one flash call"
+    path_knobs = {name: config[name] for name in DEFAULT_TUNING}
+    if options.get("q_offset", 0) == 0 and options.get("window", 0) == 0 and path_knobs != DEFAULT_TUNING:
+        return "plain causal attention has no path knob: one flash call"
     return None
 
 
-register_space(SearchSpace(
+register_space(with_thread_axis(SearchSpace(
     "attention", "cpu",
     axes={"window_block_rows": (64, 128, 256, 512), "small_mask_pairs": (0, 1 << 18, 1 << 20, 1 << 22)},
     default=lambda problem: dict(DEFAULT_TUNING),
     constraints=(_only_offset_or_window_cases,),
-))
+)))
 
 
 @register_lowering("attention", "cpu", unsupported_reason=_unsupported_reason, priority=10)
+@honours_num_threads
 def attention_cpu(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, tuning_config=None):
     tuning = {**DEFAULT_TUNING, **(tuning_config or {})}
     params = dict(causal=causal, scale=float(scale), q_offset=int(q_offset), window=int(window), tuning=tuning)

@@ -1,8 +1,8 @@
-"""CPU lowerings of ttftc.gated_ffn and ttftc.linear_act: BLAS GEMMs with the activation applied in place.
+"""CPU lowerings of ttftc.gated_ffn and ttftc.linear_act: GEMMs (cpu/_blas.py) with the activation applied in place.
 
 gated_ffn: one GEMM into [T, 2I] for the merged gate|up weight, then act(gate) and the multiply by up run in
-place on the gate half (no new [T, I] buffers), and the down GEMM reads that half as a strided view (BLAS takes
-the row stride as its leading dimension, so no copy). Weight layout: see cpu/_blas.py. Measured 1.08-1.11x
+place on the gate half (no new [T, I] buffers), and the down GEMM reads that half as a strided view (both GEMM
+backends take the row stride as the leading dimension, so no copy). Weight layout: see cpu/_blas.py. Measured 1.08-1.11x
 faster than the eager three GEMMs + silu + mul at llama-135m shapes (benchmarks/ffn_norm_cpu.py).
 """
 
@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from ttftc.autotune.space import SearchSpace, register_space
-from ttftc.codegen.cpu._blas import DEFAULT_N_BLOCK, WIDE_GEMM_SPACE_AXES, cpu_linear_reason, linear_2d, n_block_of
+from ttftc.codegen.cpu._blas import (WIDE_GEMM_SPACE_AXES, cpu_linear_reason, default_wide_gemm_config, gemm_options,
+                                     linear_2d, wide_gemm_constraint)
+from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
 from ttftc.codegen.lowering import register_lowering
 from ttftc.ops.ffn import ACTIVATIONS
 
@@ -48,12 +50,14 @@ def _gated_reason(ctx, x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, act
 
 
 @register_lowering("gated_ffn", "cpu", unsupported_reason=_gated_reason)
+@honours_num_threads
 def gated_ffn_cpu(x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, act, tuning_config=None):
     inter = w_gate_up.shape[0] // 2
-    gate_up = linear_2d(x.reshape(-1, x.shape[-1]), w_gate_up, b_gate_up, n_block_of(tuning_config))
+    gemm = gemm_options(tuning_config, x.dtype)
+    gate_up = linear_2d(x.reshape(-1, x.shape[-1]), w_gate_up, b_gate_up, **gemm)
     gate = activation_(gate_up[:, :inter], act)
     gate.mul_(gate_up[:, inter:])
-    out = linear_2d(gate, w_down, b_down)
+    out = linear_2d(gate, w_down, b_down, gemm=gemm["gemm"])
     return out.view(*x.shape[:-1], w_down.shape[0])
 
 
@@ -69,10 +73,12 @@ def _linear_act_reason(ctx, x, w, b=None, *, act):
 
 
 @register_lowering("linear_act", "cpu", unsupported_reason=_linear_act_reason)
+@honours_num_threads
 def linear_act_cpu(x, w, b=None, *, act, tuning_config=None):
-    out = activation_(linear_2d(x.reshape(-1, x.shape[-1]), w, b, n_block_of(tuning_config)), act)
+    out = activation_(linear_2d(x.reshape(-1, x.shape[-1]), w, b, **gemm_options(tuning_config, x.dtype)), act)
     return out.view(*x.shape[:-1], w.shape[0])
 
 
 for _op in ("gated_ffn", "linear_act"):
-    register_space(SearchSpace(_op, "cpu", axes=WIDE_GEMM_SPACE_AXES, default=lambda p: {"n_block": DEFAULT_N_BLOCK}))
+    register_space(with_thread_axis(SearchSpace(_op, "cpu", axes=WIDE_GEMM_SPACE_AXES, default=default_wide_gemm_config,
+                                                constraints=(wide_gemm_constraint,))))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ttftc.autotune.space import SearchSpace, register_space
+from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
 from ttftc.codegen.cpu.ffn import activation_
 from ttftc.codegen.cpu.norm import norm_reason, normalize_cpu, residual_add
 from ttftc.codegen.lowering import register_lowering
@@ -92,10 +94,15 @@ def _int8_linear_reason(ctx, x, x_scale, w_int8, w_scale, bias=None, *, out_dtyp
 
 
 @register_lowering("int8_linear", "cpu", unsupported_reason=_int8_linear_reason)
+@honours_num_threads
 def int8_linear_cpu(x, x_scale, w_int8, w_scale, bias=None, *, out_dtype):
     xq, xs = _as_rows(x, x_scale)
     out = int8_gemm(xq, xs, w_int8, w_scale, bias, out_dtype)
     return out.view(*x.shape[:-1], w_int8.shape[0])
+
+
+# The thread count is this lowering's only knob (cpu/_threads.py).
+register_space(with_thread_axis(SearchSpace("int8_linear", "cpu", axes={}, default=lambda problem: {})))
 
 
 # -- quantize_per_token --------------------------------------------------------------------------------------

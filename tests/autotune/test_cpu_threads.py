@@ -1,0 +1,147 @@
+"""The CPU thread-count knob: the axis, the set-and-restore wrapper, and that a tuned count reaches the lowering."""
+
+import pytest
+import torch
+
+import ttftc
+from ttftc.autotune.cache import AutotuneCache
+from ttftc.autotune.keys import key_for
+from ttftc.autotune.space import Problem, TensorSpec, space_for
+from ttftc.autotune.tuner import OpInstance, tune_instances
+from ttftc.codegen.cpu import _threads
+from ttftc.codegen.cpu._threads import honours_num_threads, intra_op_threads, thread_counts
+from ttftc.codegen.lowering import load_providers
+
+THREADED_OPS = ("attention", "norm_linear", "gated_ffn", "linear_act", "int8_linear")
+
+
+def _other_count() -> int:
+    """A thread count different from the current one."""
+    return 1 if torch.get_num_threads() > 1 else 2
+
+
+def test_thread_counts_are_powers_of_two_then_the_core_count():
+    assert thread_counts(12) == (1, 2, 4, 8, 12)
+    assert thread_counts(8) == (1, 2, 4, 8)
+    assert thread_counts(1) == (1,)
+    assert thread_counts()[-1] == _threads.usable_cores()
+
+
+def test_intra_op_threads_sets_and_restores_even_on_error():
+    before = torch.get_num_threads()
+    other = _other_count()
+    with intra_op_threads(other):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="boom"):
+        with intra_op_threads(other):
+            raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
+
+
+def test_same_count_or_none_never_touches_the_pool(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_threads.torch, "set_num_threads", lambda n: calls.append(n))
+    with intra_op_threads(None):
+        pass
+    with intra_op_threads(torch.get_num_threads()):
+        pass
+    assert calls == []
+
+
+def test_wrapper_applies_the_count_and_passes_the_config_on_only_when_wanted():
+    seen = []
+
+    @honours_num_threads
+    def with_config(x, *, tuning_config=None):
+        seen.append((torch.get_num_threads(), tuning_config))
+        return x
+
+    @honours_num_threads
+    def without_config(x):
+        seen.append((torch.get_num_threads(), "no config"))
+        return x
+
+    other = _other_count()
+    with_config(1, tuning_config={"num_threads": other, "n_block": 0})
+    without_config(1, tuning_config={"num_threads": other})
+    with_config(1)
+    now = torch.get_num_threads()
+    assert seen == [(other, {"num_threads": other, "n_block": 0}), (other, "no config"), (now, None)]
+    assert with_config.__name__ == "with_config"
+
+
+def test_every_cpu_space_has_the_thread_axis_and_defaults_to_the_current_count():
+    load_providers()
+    x = TensorSpec((4, 8), torch.float32)
+    for op in THREADED_OPS:
+        space = space_for(op, "cpu")
+        assert space.axes["num_threads"] == thread_counts(), op
+        assert space.default(Problem(op, "cpu", (x,), ()))["num_threads"] == torch.get_num_threads(), op
+
+
+def test_plain_causal_attention_searches_only_the_thread_count():
+    load_providers()
+    spec = TensorSpec((1, 2, 16, 8), torch.float32)
+    problem = Problem("attention", "cpu", (spec, spec, spec),
+                      (("causal", True), ("q_offset", 0), ("scale", 0.3), ("window", 0)))
+    allowed, pruned = space_for("attention", "cpu").candidates(problem)
+    counts = {c["num_threads"] for c in allowed}
+    assert counts == set(thread_counts()) | {torch.get_num_threads()}
+    assert len(allowed) == len(counts), "the path knobs must not multiply the candidates of plain causal attention"
+    assert pruned and all("no path knob" in reason for _, reason in pruned)
+
+
+INT8_PROBLEM = Problem(
+    "int8_linear", "cpu",
+    (TensorSpec((24, 32), torch.float32), None, TensorSpec((16, 32), torch.int8), TensorSpec((16,), torch.float32)),
+    (("out_dtype", torch.float32),),
+)
+
+
+class FavourTimer:
+    def __init__(self, favourite):
+        self.favourite, self.ran = favourite, []
+
+    def __call__(self, fn, config):
+        fn()
+        self.ran.append(config["num_threads"])
+        return 1.0 if config == self.favourite else 2.0
+
+
+def test_int8_linear_thread_count_is_tuned_and_cached(tmp_path):
+    load_providers()
+    favourite = {"num_threads": 1}
+    cache = AutotuneCache(tmp_path)
+    timer = FavourTimer(favourite)
+    (result,) = tune_instances([OpInstance(INT8_PROBLEM, 24)], cache=cache, budget_s=60, timer=timer, progress=False)
+    assert result.status == "tuned" and result.rejected == [], result.rejected
+    assert result.config == favourite
+    assert sorted(set(timer.ran)) == sorted(set(thread_counts()) | {torch.get_num_threads()})
+    assert cache.lookup(key_for(INT8_PROBLEM, "cpu")).config == favourite
+
+
+@pytest.mark.parametrize("autotune", [True, False])
+def test_compile_applies_the_cached_count_unless_config_autotune_is_off(tmp_path, monkeypatch, autotune):
+    load_providers()
+    other = _other_count()
+    monkeypatch.setenv("TTFTC_AUTOTUNE_CACHE", str(tmp_path))
+    AutotuneCache(tmp_path).store(key_for(INT8_PROBLEM, "cpu"), {"num_threads": other}, 1.0, 2.0)
+    counts = []
+    real = _threads.torch.set_num_threads
+    monkeypatch.setattr(_threads.torch, "set_num_threads", lambda n: (counts.append(n), real(n)))
+
+    def fn(x, w, s):
+        return torch.ops.ttftc.int8_linear.default(x, None, w, s, out_dtype=torch.float32)
+
+    x = torch.randn(24, 32)
+    w = torch.randint(-100, 100, (16, 32), dtype=torch.int8)
+    s = torch.rand(16) / 100
+    backend = ttftc.backend(ttftc.Config(passes=(), provider="cpu", autotune=autotune))
+    before = torch.get_num_threads()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=backend)(x, w, s)
+    assert torch.get_num_threads() == before
+    assert counts == ([other, before] if autotune else [])
+    assert backend.report().providers == {"int8_linear": {"cpu": 1}}
+    torch.testing.assert_close(out, torch.ops.ttftc.int8_linear(x, None, w, s, out_dtype=torch.float32))

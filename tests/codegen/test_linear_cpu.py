@@ -1,0 +1,79 @@
+"""The CPU GEMM backends (cpu/_blas.py) and the CPU lowering of ttftc.linear against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import TOLERANCES
+from ttftc.autotune.space import Problem, TensorSpec, space_for
+from ttftc.codegen.cpu._blas import default_gemm, gemm_options, linear_2d, onednn_reason
+from ttftc.codegen.cpu.linear import linear_cpu
+from ttftc.codegen.lowering import LoweringContext, load_providers, lowerings_for
+
+CPU = LoweringContext("cpu", None)
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _operands(dtype, m=7, k=12, n=37):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype),
+            torch.randn(n, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemm,n_block", [("blas", 0), ("blas", 16), ("onednn", 0)])
+def test_each_gemm_backend_matches_the_reference(dtype, gemm, n_block):
+    if gemm == "onednn" and onednn_reason(dtype):
+        pytest.skip(onednn_reason(dtype))
+    x, w, b = _operands(dtype)
+    atol, rtol = TOLERANCES[dtype]
+    expected = (x.double() @ w.double().t() + b.double())
+    torch.testing.assert_close(linear_2d(x, w, b, n_block, gemm=gemm).double(), expected, atol=atol * 10, rtol=rtol)
+    torch.testing.assert_close(linear_2d(x, w, None, n_block, gemm=gemm).double(), expected - b.double(),
+                               atol=atol * 10, rtol=rtol)
+
+
+@needs_onednn
+def test_onednn_reads_a_strided_activation_without_a_copy_in_the_caller():
+    x, w, _ = _operands(torch.float32, k=24)
+    wide = torch.randn(7, 48)
+    half = wide[:, :24]  # how gated_ffn hands its gate half to the down GEMM
+    torch.testing.assert_close(linear_2d(half, w, None, gemm="onednn"), half.contiguous() @ w.t(),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_defaults_prefer_onednn_where_it_runs_and_never_pick_it_where_it_cannot():
+    expected = "blas" if onednn_reason(torch.float32) else "onednn"
+    assert default_gemm(torch.float32) == expected
+    assert gemm_options(None, torch.float16) == {"gemm": "blas", "n_block": 1024}  # fp16 is not on the oneDNN path
+    # A cache entry tuned on a build with oneDNN degrades to BLAS for a dtype oneDNN does not cover.
+    assert gemm_options({"gemm": "onednn", "n_block": 0}, torch.float16)["gemm"] == "blas"
+    assert gemm_options({"gemm": "blas", "n_block": 512}, torch.float32) == {"gemm": "blas", "n_block": 512}
+
+
+@needs_onednn
+def test_search_space_prunes_column_blocks_for_onednn():
+    load_providers()
+    space = space_for("linear", "cpu")
+    problem = Problem("linear", "cpu", (TensorSpec((512, 576), torch.float32), TensorSpec((576, 576), torch.float32)), ())
+    allowed, pruned = space.candidates(problem)
+    gemm_knobs = [(c["gemm"], c["n_block"]) for c in allowed]
+    assert gemm_knobs[0] == ("onednn", 0)  # the default comes first
+    assert ("onednn", 1024) in [(c["gemm"], c["n_block"]) for c, _ in pruned]
+    # onednn alone, and blas with each block size, at every thread count the space offers.
+    assert sorted(set(gemm_knobs)) == [("blas", 0), ("blas", 512), ("blas", 1024), ("blas", 2048), ("onednn", 0)]
+    assert len(allowed) == 5 * len(space.axes["num_threads"])
+
+
+def test_lowering_matches_reference_and_states_its_limits():
+    load_providers()
+    x, w, b = _operands(torch.float32)
+    x3 = x.view(1, 7, 12)
+    torch.testing.assert_close(linear_cpu(x3, w, b), torch.ops.ttftc.linear(x3, w, b), atol=1e-5, rtol=1e-5)
+    (entry,) = [e for e in lowerings_for("linear") if e.provider == "cpu"]
+    assert entry.unsupported_reason(CPU, x3, w, b) is None
+    assert "differs from activation dtype" in entry.unsupported_reason(CPU, x3, w.double(), b)
+    assert "does not fit input width" in entry.unsupported_reason(CPU, x3, w[:, :5], b)
+    assert "bias" in entry.unsupported_reason(CPU, x3, w, b[:3])
+    assert "tensors on cuda" in entry.unsupported_reason(LoweringContext("cuda", None), x3, w, b)

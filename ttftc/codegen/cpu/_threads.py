@@ -1,0 +1,94 @@
+"""The intra-op thread count as an autotune knob of the CPU lowerings.
+
+A CPU lowering decorated with `honours_num_threads` accepts `tuning_config={"num_threads": n, ...}` and runs under
+`n` ATen/OpenMP threads, restoring the previous count afterwards. The count is only switched when it differs from
+`torch.get_num_threads()`, so the default (the current count) costs nothing. Small GEMMs and attention over few
+heads can run faster on fewer threads than the machine has (less fork/join and barrier time); the tuner measures it.
+
+`with_thread_axis(space)` adds the `num_threads` axis to a SearchSpace: powers of two below the number of cores
+this process may run on, and that number itself (a 12-core box tries 1, 2, 4, 8, 12), so the grid grows by a
+logarithmic factor only. The default is the thread count at tuning time, which is also part of the cache key's
+device name (autotune/keys.py), so a cached config is only ever applied under the thread count it was tuned with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import os
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ttftc.autotune.space import Problem, SearchSpace
+
+KNOB = "num_threads"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), which can be fewer than the machine has."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def thread_counts(cores: Optional[int] = None) -> tuple[int, ...]:
+    """Powers of two below `cores`, then `cores` itself: (1, 2, 4, 8, 12) for 12."""
+    cores = usable_cores() if cores is None else max(1, int(cores))
+    counts = []
+    n = 1
+    while n < cores:
+        counts.append(n)
+        n *= 2
+    counts.append(cores)
+    return tuple(counts)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: Optional[int]) -> Iterator[None]:
+    """Run the body under `n` intra-op threads (None or the current count: no change), then restore."""
+    previous = torch.get_num_threads()
+    if n is None or int(n) == previous:
+        yield
+        return
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def threads_of(tuning_config: Optional[dict]) -> Optional[int]:
+    value = (tuning_config or {}).get(KNOB)
+    return None if value is None else int(value)
+
+
+def honours_num_threads(impl: Callable) -> Callable:
+    """Wrap a CPU lowering so that `tuning_config["num_threads"]` sets its thread count.
+
+    The rest of the tuning config is passed on when `impl` takes a `tuning_config` argument; a lowering without
+    other knobs need not declare one.
+    """
+    passes_config = "tuning_config" in inspect.signature(impl).parameters
+
+    @functools.wraps(impl)
+    def run(*args, tuning_config: Optional[dict] = None, **kwargs):
+        if passes_config:
+            kwargs["tuning_config"] = tuning_config
+        with intra_op_threads(threads_of(tuning_config)):
+            return impl(*args, **kwargs)
+
+    return run
+
+
+def with_thread_axis(space: SearchSpace, counts: Optional[tuple[int, ...]] = None) -> SearchSpace:
+    """`space` with the `num_threads` axis added; its default keeps the other knobs and the current count."""
+    base_default = space.default
+
+    def default(problem: Problem) -> dict:
+        return {**base_default(problem), KNOB: torch.get_num_threads()}
+
+    axes = {**space.axes, KNOB: counts if counts is not None else thread_counts()}
+    return dataclasses.replace(space, axes=axes, default=default)
