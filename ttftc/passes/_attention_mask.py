@@ -321,6 +321,12 @@ class MaskEvaluator:
             return self._fill(node)
         if t in (aten.triu.default, aten.tril.default):
             return self._tri(node)
+        if t is aten.cat.default:
+            return self._cat(node)
+        if t is aten.cumsum.default:
+            return self._cumsum(node)
+        if t is aten.index.Tensor:
+            return self._index(node)
         raise Unprovable(f"mask uses {gu.op_label(t)}, which the mask prover does not know")
 
     def _arange(self, node: fx.Node) -> Value:
@@ -507,6 +513,92 @@ class MaskEvaluator:
             return Bool(_p_and(keep, x.pred), dims)
         return Select(keep, x.a, 0.0, dims)
 
+    def _cat(self, node: fx.Node) -> Value:
+        """Concatenated index ramps (HF's `diff(prepend=...)` of the positions) that form one affine ramp.
+
+        Every piece is rewritten over shared symbols, one per dimension, with the concatenation axis counted in
+        the output's coordinates (a piece starting at offset o sees position k as k - o). The result is that
+        common form if every piece gives the same one; anything else (a piecewise value) is not followed.
+        """
+        pieces = node.args[0]
+        rank = len(_shape(node))
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        axis = dim - rank if dim >= 0 else dim
+        shared = {d: self._new_symbol() for d in range(-rank, 0)}
+        common: Optional[Affine] = None
+        used: set[int] = set()
+        offset = sympy.Integer(0)
+        for piece in pieces:
+            if not isinstance(piece, fx.Node) or len(_shape(piece)) != rank:
+                raise Unprovable("mask concatenates tensors of different ranks")
+            x = self.evaluate(piece)
+            if not isinstance(x, Index):
+                raise Unprovable("mask concatenates non-index values")
+            value = x.value
+            for sym, d in x.dims:
+                shift = -offset if d == axis else sympy.Integer(0)
+                value = value.substitute(sym, Affine.symbol(shared[d], shift))
+                used.add(d)
+            if set(value.symbols()) - set(shared.values()):
+                raise Unprovable("mask concatenates a value with a symbol on no dimension")
+            if common is None:
+                common = value
+            elif common.coefs != value.coefs or sympy.simplify(common.const - value.const) != 0:
+                raise Unprovable("mask concatenates pieces that are not one ramp")
+            offset = offset + size_expr(_shape(piece)[axis])
+        if common is None:
+            raise Unprovable("mask concatenates nothing")
+        return Index(common, tuple(sorted((shared[d], d) for d in used)))
+
+    def _cumsum(self, node: fx.Node) -> Value:
+        """Prefix sum of a value that is one constant c everywhere: c * (k + 1) at position k of the axis.
+
+        HF's packed-sequence detection sums `diff(positions) != 1`; with positions from an arange that is False
+        everywhere, so every token gets sequence id 0.
+        """
+        x = self.evaluate(node.args[0])
+        rank = len(_shape(node))
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+        axis = dim - rank if dim >= 0 else dim
+        if gu.val(node).dtype.is_floating_point:
+            raise Unprovable("mask takes a floating-point prefix sum (inexact for long sequences)")
+        if isinstance(x, Select) and x.pred == ("const", True) and float(x.a).is_integer():
+            x = Index(Affine.constant(int(x.a)), x.dims)  # an integer tensor filled with a constant (ones)
+        c = _constant_number(x)
+        if c is None:
+            raise Unprovable("mask takes a prefix sum of a value that is not constant")
+        if c == 0:
+            return Index(Affine.constant(0), ())
+        sym = self._new_symbol()
+        return Index(Affine.symbol(sym, 1).scale(c), ((sym, axis),))
+
+    def _index(self, node: fx.Node) -> Value:
+        """Advanced indexing x[i0, i1, ...] with an integer index tensor for every dimension of x.
+
+        Element (p...) of the result is x at (i0(p), i1(p), ...): x's position symbol on dimension n is replaced
+        by the index value for n. Index values must be provably non-negative (symbols are positions, so
+        non-negative coefficients and offset), since a negative index would wrap around to the end.
+        """
+        source, indices = node.args[0], node.args[1]
+        src_shape = _shape(source)
+        if len(indices) != len(src_shape) or any(not isinstance(i, fx.Node) for i in indices):
+            raise Unprovable("mask indexes some dimensions only, or with None")
+        values = []
+        for i in indices:
+            if gu.val(i).dtype not in (torch.int64, torch.int32):
+                raise Unprovable("mask indexes with a non-integer tensor")
+            v = self._broadcast(self.evaluate(i), i, node)
+            if not isinstance(v, Index):
+                raise Unprovable("mask indexes with a value that is not an index ramp")
+            const = sympy.simplify(v.value.const)
+            if any(c < 0 for _, c in v.value.coefs) or const.is_nonnegative is not True:
+                raise Unprovable("mask indexes with a value that may be negative")
+            values.append(v)
+        x = self.evaluate(source)
+        for sym, d in x.dims:
+            x = _substitute(x, sym, values[len(src_shape) + d].value, drop=True)
+        return _with_dims(x, self._dims_of(*values))
+
     def _constant_tensor(self, node: fx.Node) -> Value:
         """A frozen buffer (e.g. GPT-2's old `bias`): accepted when it is exactly a triangle in its last two dims."""
         t = gu.constant_value(self.gm, node)
@@ -563,6 +655,22 @@ _FILLS = {
     aten.zeros_like.default: 0, aten.ones_like.default: 1, aten.full.default: None, aten.new_full.default: None,
     aten.full_like.default: None, aten.scalar_tensor.default: None,
 }
+
+
+def _constant_number(x: Value) -> Optional[int]:
+    """The integer a value holds at every position (a boolean counts as 0/1), or None if it varies or is unknown."""
+    if isinstance(x, Index):
+        const = sympy.simplify(x.value.const)
+        return int(const) if not x.value.coefs and const.is_Integer else None
+    if isinstance(x, Bool):
+        atoms = _p_atoms(x.pred)
+        if any(a.coefs for a in atoms):
+            return None
+        consts = {a: sympy.simplify(a.const) for a in atoms}
+        if not all(c.is_number for c in consts.values()):
+            return None
+        return int(_p_eval(x.pred, lambda a: bool(consts[a] <= 0)))
+    return None
 
 
 def _with_dims(x: Value, dims) -> Value:
@@ -630,7 +738,7 @@ def classify(pred: Pred, dims, mask_shape: tuple, q_len: Any, kv_len: Any) -> Ma
     """Decide which attention mask `pred` is, for every query index i < q_len and key index j < kv_len."""
     if len(mask_shape) > 4:
         raise Unprovable("the mask has more than 4 dimensions")
-    key_syms, query_syms = set(), set()
+    key_syms, query_syms, other_syms = set(), set(), set()
     for sym, d in dims:
         if d == -1:
             if not same_size(mask_shape[-1], kv_len):
@@ -641,7 +749,9 @@ def classify(pred: Pred, dims, mask_shape: tuple, q_len: Any, kv_len: Any) -> Ma
                 raise Unprovable("the mask's query axis is not the query length")
             query_syms.add(sym)
         else:
-            raise Unprovable("the mask varies over the batch or head dimension")
+            other_syms.add(sym)  # harmless unless the formula reads it (checked with the atoms below)
+    if any(set(form.symbols()) & other_syms for form in _p_atoms(pred)):
+        raise Unprovable("the mask varies over the batch or head dimension")
 
     thresholds: list[tuple[str, int]] = []  # ("le", t): d <= t   /   ("ge", t): d >= t
     atom_kind: dict[Affine, tuple] = {}
@@ -716,8 +826,10 @@ def classify_mask(pred: Pred, dims, mask_shape: tuple, scores_shape: tuple) -> M
         raise Unprovable("the mask has more dimensions than the scores")
     holder = Bool(pred, tuple(dims))
     for sym, d in dims:
-        # A symbol on a mask dimension of size 1 that the scores widen is constant 0 along it.
-        if same_size(mask_shape[d], 1) and not same_size(scores_shape[d], 1):
+        # A position symbol on a mask dimension of size 1 is constant 0 along it: always on the batch and head
+        # dimensions (so a batch of one is not "a mask that varies over the batch"); on the query and key axes
+        # only where the scores widen it, since there it stands for the query or key index itself.
+        if same_size(mask_shape[d], 1) and (d < -2 or not same_size(scores_shape[d], 1)):
             holder = _substitute(holder, sym, Affine.constant(0), drop=True)
     padded = (1,) * (len(scores_shape) - len(mask_shape)) + tuple(mask_shape)
     return classify(holder.pred, holder.dims, padded, scores_shape[-2], scores_shape[-1])

@@ -256,7 +256,7 @@ class AttentionPass(GraphPass):
                 (plan.q, plan.k, plan.v),
                 dict(causal=plan.spec.causal, scale=plan.scale, q_offset=plan.spec.q_offset, window=plan.spec.window),
             )
-            result = _match_layout(gm, fused, plan.outputs[0])
+            result = _match_layout(gm, fused, plan.outputs)
         for out in plan.outputs:
             if not gu.tensor_meta_matches(result.meta["val"], out.meta["val"]):
                 raise RuntimeError(f"ttftc.attention result {result.meta['val'].shape} does not match {out.name}")
@@ -516,24 +516,44 @@ def _hint(x: Any) -> int:
     return int(x)
 
 
-def _match_layout(gm: fx.GraphModule, fused: fx.Node, original: fx.Node) -> fx.Node:
-    """Give the fused result the memory layout of the node it replaces.
+def _match_layout(gm: fx.GraphModule, fused: fx.Node, originals: list[fx.Node]) -> fx.Node:
+    """Give the fused result the memory layout of the nodes it replaces, copying only where a reader needs it.
 
-    SDPA's CPU flash kernel returns [B, H, S, D] laid out as [B, S, H, D], and the graph after it relies on that
-    (a `view` after a transpose). ttftc.attention returns a contiguous tensor, so a permuted copy restores the
-    layout; for the eager form (a contiguous bmm result) nothing is inserted.
+    ttftc.attention is declared contiguous [B, H, S, D], but a lowering may return another layout: CPU flash
+    attention writes [B, H, S, D] laid out as [B, S, H, D]. Two cases:
+    - the replaced result is row-major (the eager form: a reshaped bmm). Hugging Face reads it as
+      transpose(1, 2) → clone(contiguous), which gives the same values and strides whatever the layout it starts
+      from, so the fused result is used as is: on CPU that clone is then a plain copy of an already [B, S, H, D]
+      buffer. Any other reader (a view, the graph output...) gets a contiguous clone, so it sees the strides it
+      was traced with.
+    - the replaced result has another layout (SDPA's CPU kernel: [B, S, H, D] strides) and the graph after it
+      relies on it (a `view` after a transpose): a permuted copy restores it.
+    Dimensions of extent 1 carry no layout (their stride is never used), so they are left out of the comparison.
     """
-    val = original.meta["val"]
+    val = originals[0].meta["val"]
     strides = [_hint(s) for s in val.stride()]
     sizes = [_hint(s) for s in val.shape]
-    order = sorted(range(val.dim()), key=lambda d: (-strides[d] if sizes[d] > 1 else 0, d))
-    dense = sorted(range(val.dim()), key=lambda d: d)
-    if order == dense or all(sizes[d] == 1 for d in range(val.dim()) if order[d] != d):
-        return fused
+    extended = [d for d in range(val.dim()) if sizes[d] > 1]
+    outer_first = sorted(extended, key=lambda d: (-strides[d], d))
+    if outer_first == extended:
+        if all(_reads_any_layout(user) for out in originals for user in out.users):
+            return fused
+        return gu.call(gm, aten.clone.default, (fused,), {"memory_format": torch.contiguous_format})
+    order = outer_first + [d for d in range(val.dim()) if sizes[d] <= 1]
     inverse = [order.index(d) for d in range(val.dim())]
     permuted = gu.call(gm, aten.permute.default, (fused, order))
     packed = gu.call(gm, aten.clone.default, (permuted,), {"memory_format": torch.contiguous_format})
     return gu.call(gm, aten.permute.default, (packed, inverse))
+
+
+def _reads_any_layout(node: fx.Node) -> bool:
+    """Whether `node` (reading a tensor whose real strides may differ from its meta) computes the values and the
+    strides it was traced with: a transpose/permute chain that only ends in contiguous clones."""
+    if gu.is_call(node, aten.clone.default):
+        return node.kwargs.get("memory_format") == torch.contiguous_format
+    if gu.is_call(node, aten.transpose.int, aten.permute.default):
+        return bool(node.users) and all(_reads_any_layout(user) for user in node.users)
+    return False
 
 
 def _bind(node: fx.Node) -> dict[str, Any]:
