@@ -12,7 +12,7 @@ from ttftc.codegen.cpu import _threads
 from ttftc.codegen.cpu._threads import honours_num_threads, intra_op_threads, thread_counts
 from ttftc.codegen.lowering import load_providers
 
-THREADED_OPS = ("attention", "norm_linear", "gated_ffn", "linear_act", "int8_linear")
+THREADED_OPS = ("attention", "norm_linear", "gated_ffn", "linear_act", "linear", "int8_linear")
 
 
 def _other_count() -> int:
@@ -71,13 +71,19 @@ def test_wrapper_applies_the_count_and_passes_the_config_on_only_when_wanted():
     assert with_config.__name__ == "with_config"
 
 
-def test_every_cpu_space_has_the_thread_axis_and_defaults_to_the_current_count():
+def test_every_cpu_space_has_the_thread_axis_and_defaults_to_the_running_process_count():
     load_providers()
     x = TensorSpec((4, 8), torch.float32)
     for op in THREADED_OPS:
         space = space_for(op, "cpu")
-        assert space.axes["num_threads"] == thread_counts(), op
-        assert space.default(Problem(op, "cpu", (x,), ()))["num_threads"] == torch.get_num_threads(), op
+        assert space.axes["num_threads"] == (None,) + thread_counts(), op
+        # None, not the tuning process's count: a stored default must follow the count of the process that runs it.
+        assert space.default(Problem(op, "cpu", (x,), ()))["num_threads"] is None, op
+
+
+def _explicit_counts() -> set:
+    """The thread counts a search times besides the default: every candidate except the current count."""
+    return set(thread_counts()) - {torch.get_num_threads()}
 
 
 def test_plain_causal_attention_searches_only_the_thread_count():
@@ -87,9 +93,9 @@ def test_plain_causal_attention_searches_only_the_thread_count():
                       (("causal", True), ("q_offset", 0), ("scale", 0.3), ("window", 0)))
     allowed, pruned = space_for("attention", "cpu").candidates(problem)
     counts = {c["num_threads"] for c in allowed}
-    assert counts == set(thread_counts()) | {torch.get_num_threads()}
+    assert counts == {None} | _explicit_counts()
     assert len(allowed) == len(counts), "the path knobs must not multiply the candidates of plain causal attention"
-    assert pruned and all("no path knob" in reason for _, reason in pruned)
+    assert pruned and all("no path knob" in reason or "current thread count" in reason for _, reason in pruned)
 
 
 INT8_PROBLEM = Problem(
@@ -111,13 +117,13 @@ class FavourTimer:
 
 def test_int8_linear_thread_count_is_tuned_and_cached(tmp_path):
     load_providers()
-    favourite = {"num_threads": 1}
+    favourite = {"num_threads": _other_count()}
     cache = AutotuneCache(tmp_path)
     timer = FavourTimer(favourite)
     (result,) = tune_instances([OpInstance(INT8_PROBLEM, 24)], cache=cache, budget_s=60, timer=timer, progress=False)
     assert result.status == "tuned" and result.rejected == [], result.rejected
     assert result.config == favourite
-    assert sorted(set(timer.ran)) == sorted(set(thread_counts()) | {torch.get_num_threads()})
+    assert set(timer.ran) == {None} | _explicit_counts()
     assert cache.lookup(key_for(INT8_PROBLEM, "cpu")).config == favourite
 
 
@@ -145,3 +151,4 @@ def test_compile_applies_the_cached_count_unless_config_autotune_is_off(tmp_path
     assert counts == ([other, before] if autotune else [])
     assert backend.report().providers == {"int8_linear": {"cpu": 1}}
     torch.testing.assert_close(out, torch.ops.ttftc.int8_linear(x, None, w, s, out_dtype=torch.float32))
+

@@ -134,6 +134,17 @@ def test_correctness_gate_scales_with_the_output_magnitude():
     assert not _close(torch.zeros(4), expected)
 
 
+def test_correctness_gate_catches_a_bf16_gemm_that_drops_its_bias():
+    from ttftc.autotune.tuner import _close
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 1536, generator=g).bfloat16(), (torch.randn(256, 1536, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(256, generator=g).bfloat16()
+    expected = torch.addmm(bias, x, w.t())
+    assert _close(torch.addmm(bias.float(), x.float(), w.float().t()).bfloat16(), expected)  # same maths, fp32 sums
+    assert not _close(x @ w.t(), expected)
+
+
 class NearlyEqualTimer:
     """The favourite is faster than the default by less than the noise margin."""
 

@@ -61,9 +61,10 @@ def test_search_space_prunes_column_blocks_for_onednn():
     gemm_knobs = [(c["gemm"], c["n_block"]) for c in allowed]
     assert gemm_knobs[0] == ("onednn", 0)  # the default comes first
     assert ("onednn", 1024) in [(c["gemm"], c["n_block"]) for c, _ in pruned]
-    # onednn alone, and blas with each block size, at every thread count the space offers.
+    # onednn alone, and blas with each block size, each at every thread count the search tries.
     assert sorted(set(gemm_knobs)) == [("blas", 0), ("blas", 512), ("blas", 1024), ("blas", 2048), ("onednn", 0)]
-    assert len(allowed) == 5 * len(space.axes["num_threads"])
+    thread_choices = {c["num_threads"] for c in allowed}
+    assert len(allowed) == 5 * len(thread_choices) and None in thread_choices
 
 
 def test_lowering_matches_reference_and_states_its_limits():
@@ -77,3 +78,13 @@ def test_lowering_matches_reference_and_states_its_limits():
     assert "does not fit input width" in entry.unsupported_reason(CPU, x3, w[:, :5], b)
     assert "bias" in entry.unsupported_reason(CPU, x3, w, b[:3])
     assert "tensors on cuda" in entry.unsupported_reason(LoweringContext("cuda", None), x3, w, b)
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "blas"])
+def test_a_strided_bias_gives_the_same_numbers(gemm):
+    if gemm == "onednn" and onednn_reason(torch.float32):
+        pytest.skip(onednn_reason(torch.float32))
+    x, w, _ = _operands(torch.float32)
+    every_other = torch.randn(2 * w.shape[0], generator=torch.Generator().manual_seed(1))[::2]
+    torch.testing.assert_close(linear_2d(x, w, every_other, gemm=gemm), torch.addmm(every_other, x, w.t()),
+                               atol=1e-5, rtol=1e-5)

@@ -56,9 +56,10 @@ def _close(actual: Any, expected: Any) -> bool:
     if actual.shape != expected.shape:
         return False
     atol, rtol = _ACCEPT.get(expected.dtype, (1e-3, 1e-3))
-    # The absolute tolerance scales with the output's magnitude: a GEMM over K=2816 that sums to thousands differs
-    # from another correct GEMM by more than 1e-3 on its near-zero entries, from reassociation alone.
-    scale = max(1.0, float(expected.float().abs().max())) if expected.numel() else 1.0
+    # The absolute tolerance scales with the output's typical (root-mean-square) magnitude: a GEMM over K=2816 that
+    # sums to thousands differs from another correct GEMM by more than 1e-3 on its near-zero entries, from
+    # reassociation alone. The RMS, not the max: a max-scaled bound let a bf16 GEMM with its bias dropped pass.
+    scale = max(1.0, float(expected.float().pow(2).mean().sqrt())) if expected.numel() else 1.0
     return bool(torch.allclose(actual.float(), expected.float(), atol=atol * scale, rtol=rtol))
 
 

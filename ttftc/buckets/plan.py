@@ -92,7 +92,7 @@ _INDEXING = {
 _ATTENTION_CLASS = _SDPA | _SOFTMAXES | {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
 
 # ttftc ops that work token by token (norms over the hidden axis, per-token activation scales).
-_PER_TOKEN_TTFTC_OPS = {"gated_ffn", "linear_act", "norm_linear", "int8_linear", "rms_norm", "layer_norm"}
+_PER_TOKEN_TTFTC_OPS = {"gated_ffn", "linear_act", "linear", "norm_linear", "int8_linear", "rms_norm", "layer_norm"}
 
 
 @dataclass(frozen=True)

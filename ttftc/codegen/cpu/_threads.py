@@ -5,10 +5,15 @@ A CPU lowering decorated with `honours_num_threads` accepts `tuning_config={"num
 `torch.get_num_threads()`, so the default (the current count) costs nothing. Small GEMMs and attention over few
 heads can run faster on fewer threads than the machine has (less fork/join and barrier time); the tuner measures it.
 
-`with_thread_axis(space)` adds the `num_threads` axis to a SearchSpace: powers of two below the number of cores
-this process may run on, and that number itself (a 12-core box tries 1, 2, 4, 8, 12), so the grid grows by a
-logarithmic factor only. The default is the thread count at tuning time, which is also part of the cache key's
-device name (autotune/keys.py), so a cached config is only ever applied under the thread count it was tuned with.
+`with_thread_axis(space)` adds the `num_threads` axis to a SearchSpace: None ("whatever count the process runs
+with", the default), then powers of two below the number of cores this process may run on and that number itself
+(a 12-core box tries 1, 2, 4, 8, 12), so the grid grows by a logarithmic factor only. A config that keeps the
+default stores None, not the count of the tuning process, so a compiled graph or AOT artifact built from it follows
+the thread count of the process that runs it; only a count that measurably won is stored as a number. The autotune
+cache key's device name carries the thread count at tuning time (autotune/keys.py).
+
+Switching the count is process-wide, so switched regions hold a lock: two Python threads that run tuned ops at once
+cannot interleave their save and restore and leave the process at the wrong count.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import threading
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -25,6 +31,7 @@ import torch
 from ttftc.autotune.space import Problem, SearchSpace
 
 KNOB = "num_threads"
+_SWITCH_LOCK = threading.Lock()
 
 
 def usable_cores() -> int:
@@ -49,15 +56,16 @@ def thread_counts(cores: Optional[int] = None) -> tuple[int, ...]:
 @contextlib.contextmanager
 def intra_op_threads(n: Optional[int]) -> Iterator[None]:
     """Run the body under `n` intra-op threads (None or the current count: no change), then restore."""
-    previous = torch.get_num_threads()
-    if n is None or int(n) == previous:
+    if n is None or int(n) == torch.get_num_threads():
         yield
         return
-    torch.set_num_threads(int(n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    with _SWITCH_LOCK:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(int(n))
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
 
 
 def threads_of(tuning_config: Optional[dict]) -> Optional[int]:
@@ -83,12 +91,19 @@ def honours_num_threads(impl: Callable) -> Callable:
     return run
 
 
+def _not_the_current_count(config: dict, problem: Problem) -> Optional[str]:
+    if config.get(KNOB) == torch.get_num_threads():
+        return "the current thread count: the same run as the default (None)"
+    return None
+
+
 def with_thread_axis(space: SearchSpace, counts: Optional[tuple[int, ...]] = None) -> SearchSpace:
-    """`space` with the `num_threads` axis added; its default keeps the other knobs and the current count."""
+    """`space` with the `num_threads` axis added; its default keeps the other knobs and the process's count (None)."""
     base_default = space.default
 
     def default(problem: Problem) -> dict:
-        return {**base_default(problem), KNOB: torch.get_num_threads()}
+        return {**base_default(problem), KNOB: None}
 
-    axes = {**space.axes, KNOB: counts if counts is not None else thread_counts()}
-    return dataclasses.replace(space, axes=axes, default=default)
+    axes = {**space.axes, KNOB: (None,) + (counts if counts is not None else thread_counts())}
+    return dataclasses.replace(space, axes=axes, default=default,
+                               constraints=tuple(space.constraints) + (_not_the_current_count,))

@@ -1,8 +1,8 @@
 """CPU lowerings of ttftc.gated_ffn and ttftc.linear_act: GEMMs (cpu/_blas.py) with the activation applied in place.
 
 gated_ffn: one GEMM into [T, 2I] for the merged gate|up weight, then act(gate) and the multiply by up run in
-place on the gate half (no new [T, I] buffers), and the down GEMM reads that half as a strided view (both GEMM
-backends take the row stride as the leading dimension, so no copy). Weight layout: see cpu/_blas.py. Measured 1.08-1.11x
+place on the gate half (no new [T, I] buffers), and the down GEMM reads that half as a strided view (BLAS takes
+the row stride as its leading dimension; oneDNN copies it once, see cpu/_blas.py). Weight layout: see cpu/_blas.py. Measured 1.08-1.11x
 faster than the eager three GEMMs + silu + mul at llama-135m shapes (benchmarks/ffn_norm_cpu.py).
 """
 
