@@ -68,6 +68,22 @@ def test_key_covers_config_weights_and_signature(tmp_path):
     assert base != CompileCache(tmp_path).graph_key(other_attn, CONFIG, SIGNATURE, device)
 
 
+def test_key_follows_the_autotune_cache_whose_configs_lowering_bakes_in(tmp_path, monkeypatch):
+    from ttftc.autotune.cache import AutotuneCache, TuneKey
+
+    monkeypatch.setenv("TTFTC_AUTOTUNE_CACHE", str(tmp_path / "tuned"))
+    cache, model, device = CompileCache(tmp_path / "compile"), zoo.build("llama", "sdpa"), torch.device("cpu")
+    untuned = CONFIG.replace(autotune=False)
+    before, before_untuned = cache.graph_key(model, CONFIG, SIGNATURE, device), cache.graph_key(model, untuned,
+                                                                                                  SIGNATURE, device)
+    key = TuneKey(device="cpu", op="linear", provider="cpu", shapes="16x64:float32", dtype="float32")
+    AutotuneCache(tmp_path / "tuned").store(key, {"gemm": "blas", "n_block": 0}, 1.0, 2.0)
+    after = cache.graph_key(model, CONFIG, SIGNATURE, device)
+    assert after != before  # a retune must not hit graphs that baked in the old configs
+    assert cache.graph_key(model, CONFIG, SIGNATURE, device) == after  # and the key is stable while nothing changes
+    assert cache.graph_key(model, untuned, SIGNATURE, device) == before_untuned  # autotune off: the cache is not read
+
+
 @pytest.mark.parametrize("damage", ["flip-entry-byte", "flip-blob-byte", "delete-blob"])
 def test_corrupted_entry_warns_once_and_is_rebuilt(tmp_path, damage):
     ids, expected = _first_run(tmp_path)

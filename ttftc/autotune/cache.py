@@ -132,6 +132,18 @@ class AutotuneCache:
             else:
                 self._warn_once(f"stale entry for {entry.key.op} (tuned with {entry.versions}, running {versions})")
 
+    def content_digest(self) -> str:
+        """A hash of every stored entry's bytes: it changes whenever `ttftc autotune` stores or replaces a config, so
+        compiled graphs that baked the old configs in (the compile cache) are keyed apart from ones built after."""
+        digest = hashlib.sha256()
+        if self.directory.is_dir():
+            for path in sorted(self.directory.glob("*.json")):
+                try:
+                    digest.update(path.name.encode() + b"\0" + path.read_bytes())
+                except OSError:  # removed while listing: it holds nothing a compile could have used
+                    continue
+        return digest.hexdigest()[:16]
+
     # -- writing --------------------------------------------------------------------------------------------
     def check_writable(self) -> None:
         """Raise a clear error now rather than after minutes of tuning."""

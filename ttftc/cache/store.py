@@ -5,7 +5,8 @@
     root/blobs/<sha256>.safetensors  one constant tensor, named by the hash of its content
 
 A graph's key hashes the model (code, config, weights: keys.model_fingerprint), the input signature, the
-Config digest with every pass uuid (PassManager.uuid), the ttftc source, the versions of ttftc, torch, triton
+Config digest with every pass uuid (PassManager.uuid), the autotune cache's content (its configs are baked into
+the lowered graph), the ttftc source, the versions of ttftc, torch, triton
 and transformers, and the device. A hit loads the graph and its constants: nothing is traced, no pass or
 lowering runs. Constants are content-addressed, so the buckets of one model share their weights on disk.
 
@@ -81,6 +82,11 @@ class CompileCache:
 
         parts = {**self._common(model, device), "signature": signature.to_dict(),
                  "config": config.digest(), "passes": PassManager(config).uuid()}
+        if config.autotune:
+            # Lowering bakes tuned configs into the graph, so a retune must not hit graphs built before it.
+            from ttftc.autotune.cache import AutotuneCache
+
+            parts["autotune"] = AutotuneCache().content_digest()
         return combine(parts)
 
     def plan_key(self, model, buckets: tuple[int, ...], device: torch.device) -> str:
