@@ -160,7 +160,7 @@ def tune_chunk_sizes(
     the cache key names the runner. Returns one tuner.TuneResult per prompt length.
     """
     from ttftc.autotune.timing import WallTimer
-    from ttftc.autotune.tuner import TuneResult, _progress, best_over_default
+    from ttftc.autotune.tuner import TuneResult, _progress, measure_candidates
     from ttftc.runtime.engine import PrefillEngine
 
     if not chunk_sizes or any(int(c) < 1 for c in chunk_sizes):
@@ -189,39 +189,26 @@ def tune_chunk_sizes(
                 continue
             ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
             result = TuneResult(problem, length, "tuned")
-            timings = []
-            reference = None
-            for index, chunk in enumerate(chunk_candidates(length, chunk_sizes)):
-                if index > 0 and time.monotonic() > deadline:
-                    break  # the whole-prompt default (index 0) is always measured
-                bar.update(1)
-                result.tried += 1
-                config = {"chunk_size": chunk}
-                engine = PrefillEngine(model, chunk_size=chunk, autotune=False)
+            outputs: list[torch.Tensor] = []  # the whole-prompt logits (index 0) are the reference
 
-                def prefill(engine=engine) -> torch.Tensor:
+            def run(config: dict) -> Callable[[], torch.Tensor]:
+                engine = PrefillEngine(model, chunk_size=config["chunk_size"], autotune=False)
+
+                def prefill() -> torch.Tensor:
                     first = engine.first_token(ids)
                     first.kv.release()
                     return first.logits
 
-                try:
-                    logits = prefill()
-                    if reference is None:
-                        reference = logits
-                    elif not _close(logits, reference, tolerance):
-                        result.rejected.append(f"{config}: logits differ from the whole-prompt prefill")
-                        continue
-                    ms = timer(prefill, config)
-                except Exception as exc:  # e.g. out of memory at one chunk size: it just scores nothing
-                    result.rejected.append(f"{config}: {type(exc).__name__}: {exc}")
-                    continue
-                if index == 0:
-                    result.default_ms = ms
-                timings.append((ms, config))
-            if not timings:
-                result.status = "skipped: no candidate ran correctly"
-            else:
-                result.tuned_ms, result.config = best_over_default(timings, result.default_ms)
+                return prefill
+
+            def matches_whole_prompt(logits: torch.Tensor, index: int) -> bool:
+                outputs.append(logits)
+                return _close(logits, outputs[0], tolerance)
+
+            configs = [{"chunk_size": chunk} for chunk in chunk_candidates(length, chunk_sizes)]
+            measure_candidates(result, configs, run, matches_whole_prompt, timer=timer, deadline=deadline,
+                               on_candidate=lambda: bar.update(1), wrong="logits differ from the whole-prompt prefill")
+            if result.status == "tuned":
                 cache.store(chunk_key(model, length), result.config, result.tuned_ms,
                             result.default_ms if not math.isnan(result.default_ms) else result.tuned_ms)
             results.append(result)

@@ -78,18 +78,42 @@ def tune_problem(
     expected = get_op(problem.op).reference(*args, **kwargs)
     allowed, pruned = space.candidates(problem)
     result = TuneResult(problem, bucket, "tuned", pruned=len(pruned))
+
+    def run(config: dict) -> Callable[[], Any]:
+        return lambda: impl(*args, **kwargs, tuning_config=config)
+
+    measure_candidates(result, allowed, run, lambda out, index: _close(out, expected), timer=timer, deadline=deadline,
+                       on_candidate=on_candidate, wrong="wrong numbers against the reference")
+    return result
+
+
+def measure_candidates(
+    result: TuneResult,
+    configs: Sequence[dict],
+    run: Callable[[dict], Callable[[], Any]],
+    is_correct: Callable[[Any, int], bool],
+    *,
+    timer: Callable,
+    deadline: float,
+    on_candidate: Callable[[], None],
+    wrong: str,
+) -> None:
+    """Check and time each config (the default first, always measured; the rest while the deadline allows), then put
+    the winner (best_over_default) in `result`. `run(config)` gives the call to time; `is_correct(output, index)`
+    judges its first output. A config that raises or fails the check scores nothing and is listed as rejected."""
     timings: list[tuple[float, dict]] = []
-    for index, config in enumerate(allowed):
+    for index, config in enumerate(configs):
         if index > 0 and time.monotonic() > deadline:
-            break  # the default (index 0) is always measured
+            break
         on_candidate()
         result.tried += 1
+        call = run(config)
         try:
-            if not _close(impl(*args, **kwargs, tuning_config=config), expected):
-                result.rejected.append(f"{config}: wrong numbers against the reference")
+            if not is_correct(call(), index):
+                result.rejected.append(f"{config}: {wrong}")
                 continue
-            ms = timer(lambda config=config: impl(*args, **kwargs, tuning_config=config), config)
-        except Exception as exc:  # a config the hardware cannot run (e.g. out of shared memory) scores nothing
+            ms = timer(call, config)
+        except Exception as exc:  # a config the hardware cannot run (e.g. out of memory) scores nothing
             result.rejected.append(f"{config}: {type(exc).__name__}: {exc}")
             continue
         if index == 0:
@@ -97,9 +121,8 @@ def tune_problem(
         timings.append((ms, config))
     if not timings:
         result.status = "skipped: no candidate ran correctly"
-        return result
+        return
     result.tuned_ms, result.config = best_over_default(timings, result.default_ms)
-    return result
 
 
 def best_over_default(timings: Sequence[tuple[float, dict]], default_ms: float) -> tuple[float, dict]:

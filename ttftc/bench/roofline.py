@@ -122,8 +122,7 @@ class PeakMeter:
         for dtype in dtypes:
             for name, fn, a, b in self._candidates(dtype):
                 try:
-                    time_call_once = self._timer(fn, a, b)
-                    time_call_once()  # warm-up: library initialisation and first-touch page faults
+                    self._time(fn, a, b)  # warm-up: library initialisation and first-touch page faults
                 except Exception as exc:  # e.g. no int8 GEMM on this device
                     self._errors.setdefault(dtype, f"{name}: {type(exc).__name__}: {exc}".splitlines()[0])
                     continue
@@ -144,17 +143,17 @@ class PeakMeter:
             candidates.append(("oneDNN matmul", _onednn_mm, a, b))
         return candidates
 
-    def _timer(self, fn, a, b) -> Callable[[], float]:
+    def _time(self, fn, a, b) -> float:
         from ttftc.bench.timing import time_call
 
-        return lambda: time_call(fn, a, b, device=self.device)
+        return time_call(fn, a, b, device=self.device)
 
     def sample(self, repeats: int = 1) -> None:
         resolution = time.get_clock_info("perf_counter").resolution
         for dtype, gemms in self._gemms.items():
             for _ in range(repeats):
                 for name, fn, a, b in gemms:
-                    gflops = 2.0 * self.size**3 / max(self._timer(fn, a, b)(), resolution) / 1e9
+                    gflops = 2.0 * self.size**3 / max(self._time(fn, a, b), resolution) / 1e9
                     if gflops > self._best.get(dtype, (0.0, ""))[0]:
                         self._best[dtype] = (gflops, name)
                 self._samples[dtype] += 1

@@ -20,6 +20,7 @@ Weights stay in their frozen [N, K] layout and reach the GEMM as-is (oneDNN) or 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -30,6 +31,7 @@ DEFAULT_N_BLOCK = 1024  # for the "blas" backend only
 WIDE_GEMM_SPACE_AXES = {"gemm": GEMM_BACKENDS, "n_block": (0, 512, 1024, 2048)}
 
 
+@functools.cache  # a property of the build and the CPU; every GEMM call asks (gemm_options)
 def onednn_reason(dtype: torch.dtype) -> Optional[str]:
     """None when the oneDNN GEMM can run this dtype on this build, else why not."""
     if not torch.backends.mkldnn.is_available():
