@@ -8,9 +8,10 @@ from ttftc.autotune import space as space_module
 from ttftc.autotune.space import Problem, SearchSpace, TensorSpec, register_space, space_for
 from ttftc.codegen.lowering import load_providers
 from ttftc.codegen.triton import attention_ascend
+from ttftc.codegen.triton import ascend_device
+from ttftc.codegen.triton.ascend_device import ATLAS_A2, AscendDevice, launch_grid
 from ttftc.codegen.triton.attention_ascend import (
-    ASCEND_TUNING_AXES, ATLAS_A2, AscendDevice, ascend_attention_space, l1_bytes_needed, launch_grid, prune_reason,
-    tiles_of, ub_bytes_needed,
+    ASCEND_TUNING_AXES, ascend_attention_space, l1_bytes_needed, prune_reason, tiles_of, ub_bytes_needed,
 )
 
 
@@ -118,4 +119,13 @@ def test_default_is_an_allowed_candidate(head_dim, dtype):
 
 
 def test_without_torch_npu_the_documented_atlas_a2_numbers_apply():
-    assert attention_ascend.query_device() == ATLAS_A2
+    assert ascend_device.query_device() == ATLAS_A2
+
+
+def test_atlas_a2_numbers_come_from_the_target_table():
+    from ttftc.codegen.triton.targets import get_target
+
+    target = get_target("Ascend910B3")
+    assert ATLAS_A2 == AscendDevice(target.cube_cores, target.vector_cores, target.unified_buffer_bytes,
+                                    target.l1_bytes)
+    assert ATLAS_A2.ub_bytes == 192 * 1024 and launch_grid(ATLAS_A2) == (20,)

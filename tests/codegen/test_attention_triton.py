@@ -145,3 +145,63 @@ def test_unsupported_head_dim_falls_back_to_the_reference():
     assert report.providers["attention"] == {"reference": model.config.num_hidden_layers}
     assert any("head dim" in f for f in report.fallbacks)
     assert_logits_match(actual, expected)
+
+
+# -- the persistent variant (triton-ascend's launch shape: grid = core count) ------------------------------------
+
+
+def _check_persistent(b, hq, hkv, sq, skv, d, *, programs, block_m=16, block_n=16, causal=True, q_offset=0, window=0,
+                      dtype=torch.float32, kv_len=None):
+    mod = _triton()
+    gen = torch.Generator().manual_seed(sq * 7 + programs)
+    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
+    out = mod.launch_persistent(q, k, v, kv_len, causal=causal, scale=d ** -0.5, q_offset=q_offset, window=window,
+                                block_m=block_m, block_n=block_n, programs=programs)
+    expected = attention.reference(q.float(), k.float(), v.float(), kv_len, causal=causal, scale=d ** -0.5,
+                                   q_offset=q_offset, window=window)
+    atol, rtol = FP32_TOL if dtype == torch.float32 else TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 20, 500])  # fewer, as many as and more programs than tiles
+def test_persistent_kernel_covers_every_tile_once(programs):
+    _check_persistent(2, 4, 2, 37, 37, 16, programs=programs)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_persistent_kernel_odd_lengths_and_gqa(causal):
+    _check_persistent(1, 8, 2, 50, 50, 32, programs=7, block_m=32, block_n=16, causal=causal)
+
+
+def test_persistent_kernel_window_offset_and_kv_len():
+    _check_persistent(1, 2, 2, 70, 70, 16, programs=5, window=9)
+    _check_persistent(3, 2, 1, 33, 40, 16, programs=4, q_offset=7, kv_len=torch.tensor([40, 12, 0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_persistent_kernel_half_precision(dtype):
+    _check_persistent(1, 2, 1, 45, 45, 64, programs=3, block_m=32, block_n=32, dtype=dtype)
+
+
+def test_persistent_kernel_needs_a_program():
+    q = torch.zeros(1, 1, 4, 16)
+    with pytest.raises(ValueError, match="at least one program"):
+        _triton().launch_persistent(q, q, q, causal=True, scale=1.0, block_m=16, block_n=16, programs=0)
+
+
+def test_npu_runs_the_triton_kernel_only_when_forced():
+    assert _reason(LoweringContext(device_type="npu", forced_provider="triton")) is None
+    assert "provider='triton'" in _reason(LoweringContext(device_type="npu", forced_provider=None))
+
+
+def test_npu_default_comes_from_the_triton_ascend_space():
+    from ttftc.codegen.lowering import load_providers
+    from ttftc.codegen.triton.attention_ascend import ASCEND_TUNING_AXES
+
+    load_providers()
+    q = torch.empty(1, 8, 512, 64, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(1, 2, 512, 64, dtype=torch.bfloat16, device="meta")
+    config = _triton()._npu_default(q, kv, kv, None, causal=True, scale=0.125, q_offset=0, window=0)
+    assert set(config) == set(ASCEND_TUNING_AXES)

@@ -13,8 +13,15 @@ GQA maps query head h to KV head h // (Hq / Hkv) when computing the K/V pointers
 `kv_len[b]` ends sequence b's keys early (padded buckets). Head dims that are not a power of two (80, 96, and
 16/32-padded small ones) are padded to the next power of two with masked loads.
 
-Tuning: `candidate_configs()` lists the (BLOCK_M, BLOCK_N, num_warps, num_stages) space as data and
-`launch(..., config=...)` runs any of them, so an autotuner can search without touching the kernel.
+Tuning: `candidate_configs()` lists the (BLOCK_M, BLOCK_N, num_warps, num_stages) space as data, pruned for a
+compile target (targets.json: shared memory per block, warp size) by an upper bound on shared memory and a coarse
+register rule, both checked against compiled kernels; `launch(..., config=...)` runs any of them, so an autotuner
+can search without touching the kernel. `ttftc kernels` compiles every such config for sm_80, sm_90 and gfx942.
+
+Two kernels share one tile body (`_attention_block`): `_attention_fwd`, one program per (row block, batch x head),
+for GPUs; and `_attention_fwd_persistent`, for triton-ascend, whose grid is the core count and whose programs loop
+over the tiles (tile = pid, pid + programs, ...). Both are exact under TRITON_INTERPRET=1; the persistent one lowers
+to triton-ascend's IR for Ascend910B3 but never ran on an NPU.
 
 The Triton interpreter (TRITON_INTERPRET=1, how CI runs this on CPU) cannot do bf16 arithmetic, so there every
 tile is cast to fp32 right after loading (UPCAST).
@@ -31,8 +38,11 @@ from typing import Optional
 
 import torch
 
-from ttftc.autotune.space import Problem, SearchSpace, register_space
+from ttftc.autotune.space import Problem, SearchSpace, register_space, space_for
 from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.triton.ascend_device import current_device, launch_grid
+from ttftc.codegen.triton.launch import KernelLaunch
+from ttftc.codegen.triton.targets import Target, current_target
 
 try:
     import triton
@@ -57,55 +67,80 @@ class AttentionConfig:
     num_stages: int
 
 
-# The knobs an autotuner searches, and the rules that prune them (see `attention_space`).
+# The knobs an autotuner searches, and the rules that prune them (see `prune_reason`).
 TUNING_AXES = {
     "block_m": (16, 32, 64, 128),
     "block_n": (16, 32, 64, 128),
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3, 4),
 }
-# Shared memory assumed when the device cannot be asked (consumer GPUs have ~100 KB per block).
+# Shared memory assumed for a device the target table does not know and cannot be asked (the interpreter).
 _DEFAULT_SMEM_BYTES = 100 * 1024
+# fp32 values one lane may hold for the scores (BLOCK_M x BLOCK_N) and the accumulator (BLOCK_M x head dim)
+# before the tiles spill: tensor-core dots (16-bit inputs) keep little else live; IEEE fp32 dots run on FMA units
+# and hold operand fragments too. Calibrated on `ttftc kernels` sweeps (triton 3.9; see register_reason).
+_LANE_VALUES = {"cuda": 128, "hip": 96}
+_LANE_VALUES_FP32 = 24
 
 
-def _spills_registers(config: dict, head_dim: int, dtype: torch.dtype) -> Optional[str]:
-    if padded_head_dim(head_dim) >= 128 and config["block_m"] * config["block_n"] > 128 * 64:
-        return "a 128-wide head with tiles over 128x64 spills registers"
-    if dtype == torch.float32 and config["block_n"] > 64:
-        return "fp32 key tiles over 64 wide are twice the bytes"
+def register_reason(config: dict, head_dim: int, dtype: torch.dtype, target: Optional[Target]) -> Optional[str]:
+    """A coarse register-pressure rule: it prunes the tiles that spill heavily, not every config that spills a few
+    bytes (those stay candidates; the tuner times them). Defaults are checked not to spill by compiling them."""
+    bm, bn, warps, stages = config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
+    d = padded_head_dim(head_dim)
+    backend = target.backend if target is not None else "cuda"
+    lanes = (target.warp_size if target is not None else 32) * warps
+    held = (bm * bn + bm * d) / lanes
+    limit = _LANE_VALUES_FP32 if dtype == torch.float32 else _LANE_VALUES.get(backend, 128)
+    if held > limit:
+        return f"{held:.0f} fp32 score and accumulator values per lane (over {limit}) spill registers"
+    if backend == "hip":
+        # A 512-lane workgroup (8 wave64 warps) gets 256 VGPRs per lane instead of 512.
+        if warps == 8 and (bn == 128 or (bn == 64 and stages >= 3)):
+            return "8 wave64 warps have 256 VGPRs per lane: K/V tiles this wide and deep spill"
+        if bn == 128 and d >= 128 and stages >= 4:
+            return "128-wide K/V tiles of a 128-wide head, 4 stages deep, spill"
     return None
 
 
-def _shared_memory_bytes(config: dict, head_dim: int, dtype: torch.dtype) -> int:
-    # Q tile resident, K and V tiles buffered num_stages deep.
+def shared_memory_bytes(config: dict, head_dim: int, dtype: torch.dtype, target: Optional[Target] = None) -> int:
+    """An upper bound on one program's shared memory, checked against compiled kernels (triton 3.9):
+    NVIDIA: the Q tile and K and V tiles num_stages deep, plus 1 KB of static shared memory on sm_90;
+    AMD: K and V tiles num_stages - 1 deep (the stream pipeliner) plus one layout-conversion tile."""
     item = torch.tensor([], dtype=dtype).element_size()
-    return (config["block_m"] + 2 * config["block_n"] * config["num_stages"]) * padded_head_dim(head_dim) * item
+    bm, bn, stages, d = config["block_m"], config["block_n"], config["num_stages"], padded_head_dim(head_dim)
+    if target is not None and target.backend == "hip":
+        return 2 * bn * d * item * max(1, stages - 1) + max(bm * bn, bm * d) * item
+    return (bm + 2 * bn * stages) * d * item + 1024
 
 
 def candidate_configs(head_dim: int, dtype: torch.dtype, q_len: Optional[int] = None,
-                      smem_bytes: int = _DEFAULT_SMEM_BYTES) -> list[AttentionConfig]:
-    """The pruned search space, as kernel configs (FA2 tutorial ranges)."""
+                      target: Optional[Target] = None) -> list[AttentionConfig]:
+    """The pruned search space on `target` (None: a device with _DEFAULT_SMEM_BYTES), as kernel configs."""
     names = list(TUNING_AXES)
     configs = []
     for values in itertools.product(*(TUNING_AXES[n] for n in names)):
         config = dict(zip(names, values))
-        if _prune_reason(config, head_dim, dtype, q_len, smem_bytes) is None:
+        if prune_reason(config, head_dim, dtype, q_len, target) is None:
             configs.append(AttentionConfig(**config))
     return configs
 
 
-def _prune_reason(config: dict, head_dim: int, dtype: torch.dtype, q_len: Optional[int],
-                  smem_bytes: int) -> Optional[str]:
-    reason = _spills_registers(config, head_dim, dtype)
-    if reason:
-        return reason
+def prune_reason(config: dict, head_dim: int, dtype: torch.dtype, q_len: Optional[int],
+                 target: Optional[Target]) -> Optional[str]:
+    """Why `config` cannot serve this problem on `target`, or None."""
     if config["block_n"] > max(16, padded_head_dim(head_dim)) and config["block_n"] > 64:
         return "BLOCK_N above the head dim and 64"
     if q_len is not None and config["block_m"] > max(16, triton_next_pow2(q_len)):
         return f"BLOCK_M {config['block_m']} is larger than the {q_len}-row prompt"
-    need = _shared_memory_bytes(config, head_dim, dtype)
-    if need > smem_bytes:
-        return f"needs {need // 1024} KB of shared memory, the device has {smem_bytes // 1024} KB"
+    reason = register_reason(config, head_dim, dtype, target)
+    if reason:
+        return reason
+    limit = target.shared_memory_per_block if target is not None else _DEFAULT_SMEM_BYTES
+    need = shared_memory_bytes(config, head_dim, dtype, target)
+    if need > limit:
+        where = target.device if target is not None else "the device"
+        return f"needs {need // 1024} KB of shared memory, {where} allows {limit // 1024} KB per block"
     return None
 
 
@@ -113,13 +148,22 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def default_config(head_dim: int, dtype: torch.dtype, device_type: str) -> AttentionConfig:
+def default_config(head_dim: int, dtype: torch.dtype, device_type: str,
+                   target: Optional[Target] = None) -> AttentionConfig:
+    """The config used without tuning, for `target` (None: the GPU torch sees). Every default compiles without
+    spilling on sm_80, sm_90 and gfx942 (tests/codegen/test_kernels_compile.py)."""
     if device_type == "cpu":  # the interpreter: few, small programs keep numpy overhead low
         return AttentionConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    target = target if target is not None else current_target()
     padded = padded_head_dim(head_dim)
-    if padded >= 128:
-        return AttentionConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
-    return AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if dtype == torch.float32:
+        # IEEE fp32 dots run on FMA units (NVIDIA) and fp32 tiles are twice the bytes: small tiles, two stages.
+        return AttentionConfig(block_m=32, block_n=16 if padded >= 128 else 64, num_warps=8, num_stages=2)
+    if target is not None and target.backend == "hip":  # AMD's stream pipeliner double-buffers at 2 stages
+        return AttentionConfig(block_m=128, block_n=32 if padded >= 128 else 64, num_warps=8 if padded >= 128 else 4,
+                               num_stages=2)
+    # 8 warps: with 4, a 64-wide head's 128x64 tiles use all 255 registers on sm_80 and spill with a window.
+    return AttentionConfig(block_m=128, block_n=32 if padded >= 128 else 64, num_warps=8, num_stages=3)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -173,21 +217,18 @@ if HAS_TRITON:
         return acc, m_new, l_i
 
     @triton.jit
-    def _attention_fwd(
-        Q, K, V, Out, KVLen,
+    def _attention_block(
+        Q, K, V, Out, KVLen, pid_m, b, h,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_ob, stride_oh, stride_om, stride_od,
-        num_heads, group, q_len, kv_len_max, q_offset, window, qk_scale,
+        group, q_len, kv_len_max, q_offset, window, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KV_LEN: tl.constexpr, UPCAST: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // num_heads
-        h = pid_bh % num_heads
+        """Rows [pid_m * BLOCK_M, +BLOCK_M) of query head h of sequence b: the whole FA2 forward for one tile."""
         kv_h = h // group
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -247,28 +288,118 @@ if HAS_TRITON:
         o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_mask)
 
+    @triton.jit
+    def _attention_fwd(
+        Q, K, V, Out, KVLen,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_ob, stride_oh, stride_om, stride_od,
+        num_heads, group, q_len, kv_len_max, q_offset, window, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KV_LEN: tl.constexpr, UPCAST: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """GPUs: one program per tile, grid (row blocks, batch x heads)."""
+        pid_bh = tl.program_id(1)
+        _attention_block(Q, K, V, Out, KVLen, tl.program_id(0), pid_bh // num_heads, pid_bh % num_heads,
+                         stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                         stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+                         group, q_len, kv_len_max, q_offset, window, qk_scale,
+                         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KV_LEN, UPCAST, IEEE)
 
-def launch(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, config: Optional[AttentionConfig] = None):
-    """Run the kernel with an explicit config (the autotuner's entry point)."""
+    @triton.jit
+    def _attention_fwd_persistent(
+        Q, K, V, Out, KVLen,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_ob, stride_oh, stride_om, stride_od,
+        num_heads, batch_heads, group, q_len, kv_len_max, q_offset, window, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KV_LEN: tl.constexpr, UPCAST: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """triton-ascend: one program per core, each walking tiles pid, pid + programs, ... Row blocks vary
+        fastest, so the long causal row blocks at a head's end are dealt round-robin rather than to one core."""
+        row_blocks = tl.cdiv(q_len, BLOCK_M)
+        for tile in range(tl.program_id(0), row_blocks * batch_heads, tl.num_programs(0)):
+            bh = tile // row_blocks
+            _attention_block(Q, K, V, Out, KVLen, tile % row_blocks, bh // num_heads, bh % num_heads,
+                             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                             stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+                             group, q_len, kv_len_max, q_offset, window, qk_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KV_LEN, UPCAST, IEEE)
+
+
+def _common_args(q, k, v, out, kv_len) -> tuple:
+    """The runtime arguments both kernels share, up to (not including) the head counts."""
+    return (q, k, v, out, kv_len if kv_len is not None else q,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride())
+
+
+def _constexprs(q, kv_len, *, causal, window, block_m: int, block_n: int) -> dict:
+    d = q.shape[-1]
+    return dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_M=block_m, BLOCK_N=block_n,
+                CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and int(window) > 0, HAS_KV_LEN=kv_len is not None,
+                # The interpreter (cpu) has no bf16 arithmetic; fp32 inputs keep fp32 tiles and IEEE dots.
+                UPCAST=q.device.type == "cpu" or q.dtype == torch.float32, IEEE=q.dtype == torch.float32)
+
+
+def launch_args(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0,
+                config: Optional[AttentionConfig] = None) -> KernelLaunch:
+    """The GPU kernel's launch for these inputs: one program per (row block, batch x head)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     out = torch.empty((b, hq, sq, v.shape[-1]), dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
-        return out
     config = config or default_config(d, q.dtype, q.device.type)
-    interpreting = q.device.type == "cpu"
-    grid = (triton.cdiv(sq, config.block_m), b * hq)
-    has_kv_len = kv_len is not None
-    _attention_fwd[grid](
-        q, k, v, out, kv_len if has_kv_len else q,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        hq, hq // hkv, sq, skv, int(q_offset), int(window), float(scale) * _LOG2E,
-        HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and int(window) > 0, HAS_KV_LEN=has_kv_len,
-        UPCAST=interpreting or q.dtype == torch.float32, IEEE=q.dtype == torch.float32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return out
+    args = (*_common_args(q, k, v, out, kv_len),
+            hq, hq // hkv, sq, skv, int(q_offset), int(window), float(scale) * _LOG2E)
+    return KernelLaunch(_attention_fwd, (triton.cdiv(sq, config.block_m), b * hq), args,
+                        _constexprs(q, kv_len, causal=causal, window=window, block_m=config.block_m,
+                                    block_n=config.block_n),
+                        dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def persistent_launch_args(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, block_m: int,
+                           block_n: int, programs: int, multibuffer: Optional[bool] = None) -> KernelLaunch:
+    """The persistent kernel's launch: `programs` programs (triton-ascend: the core count) sharing all tiles.
+    `multibuffer` is a triton-ascend compile option and is passed only when given."""
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    if programs < 1:
+        raise ValueError(f"the persistent attention kernel needs at least one program, got {programs}")
+    out = torch.empty((b, hq, sq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    args = (*_common_args(q, k, v, out, kv_len),
+            hq, b * hq, hq // hkv, sq, skv, int(q_offset), int(window), float(scale) * _LOG2E)
+    options = {} if multibuffer is None else {"multibuffer": bool(multibuffer)}
+    return KernelLaunch(_attention_fwd_persistent, (int(programs),), args,
+                        _constexprs(q, kv_len, causal=causal, window=window, block_m=block_m, block_n=block_n),
+                        options)
+
+
+def _output(launch: KernelLaunch) -> torch.Tensor:
+    return launch.args[3]
+
+
+def launch(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, config: Optional[AttentionConfig] = None):
+    """Run the kernel with an explicit config (the autotuner's entry point)."""
+    kernel_launch = launch_args(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window,
+                                config=config)
+    if _output(kernel_launch).numel():
+        kernel_launch.run()
+    return _output(kernel_launch)
+
+
+def launch_persistent(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, block_m: int, block_n: int,
+                      programs: int, multibuffer: Optional[bool] = None):
+    """Run the persistent kernel (exact under TRITON_INTERPRET=1; on an NPU untested: no NPU was available)."""
+    kernel_launch = persistent_launch_args(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset,
+                                           window=window, block_m=block_m, block_n=block_n, programs=programs,
+                                           multibuffer=multibuffer)
+    if _output(kernel_launch).numel():
+        kernel_launch.run()
+    return _output(kernel_launch)
 
 
 def _unsupported_reason(ctx, q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0) -> Optional[str]:
@@ -277,6 +408,10 @@ def _unsupported_reason(ctx, q, k, v, kv_len=None, *, causal, scale, q_offset=0,
     if ctx.device_type == "cpu":
         if not (ctx.forced_provider == "triton" and ctx.triton_interpret):
             return "cpu tensors run Triton only under TRITON_INTERPRET=1 with provider='triton'"
+    elif ctx.device_type == "npu":
+        if ctx.forced_provider != "triton":
+            return "on npu the persistent Triton kernel (triton-ascend, untested on hardware) runs only with " \
+                   "provider='triton'"
     elif ctx.device_type != "cuda":
         return f"no Triton attention kernel for {ctx.device_type}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -301,26 +436,35 @@ def _unsupported_reason(ctx, q, k, v, kv_len=None, *, causal, scale, q_offset=0,
 
 @register_lowering("attention", "triton", unsupported_reason=_unsupported_reason, priority=20)
 def attention_triton(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, tuning_config=None):
+    if q.device.type == "npu":
+        config = tuning_config or _npu_default(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset,
+                                               window=window)
+        (programs,) = launch_grid(current_device())
+        return launch_persistent(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window,
+                                 block_m=config["block_m"], block_n=config["block_n"], programs=programs,
+                                 multibuffer=config["multibuffer"])
     config = AttentionConfig(**tuning_config) if tuning_config else None
     return launch(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window, config=config)
 
 
-def _smem_bytes() -> int:
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return int(getattr(props, "shared_memory_per_block_optin", 0) or _DEFAULT_SMEM_BYTES)
-    return _DEFAULT_SMEM_BYTES
+def _npu_default(q, k, v, kv_len, **options) -> dict:
+    """The triton-ascend space's default (attention_ascend registers it; load_providers imports it)."""
+    space = space_for("attention", "triton", "npu")
+    if space is None:
+        raise RuntimeError("the triton-ascend attention space is not registered: import "
+                           "ttftc.codegen.triton.attention_ascend (ttftc.codegen.lowering.load_providers does)")
+    return space.default(Problem.from_meta("attention", "triton", (q, k, v, kv_len), options))
 
 
 def _space_rule(config: dict, problem: Problem) -> Optional[str]:
     q = problem.args[0]
-    return _prune_reason(config, q.shape[-1], q.dtype, q.shape[2], _smem_bytes())
+    return prune_reason(config, q.shape[-1], q.dtype, q.shape[2], current_target())
 
 
 def _space_default(problem: Problem) -> dict:
     q = problem.args[0]
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-    return dataclasses.asdict(default_config(q.shape[-1], q.dtype, device))
+    return dataclasses.asdict(default_config(q.shape[-1], q.dtype, device, current_target()))
 
 
 register_space(SearchSpace("attention", "triton", axes=TUNING_AXES, default=_space_default,

@@ -1,10 +1,12 @@
 """The autotune search space of the Triton attention kernel under triton-ascend (Ascend NPUs).
 
 UNTESTED ON HARDWARE: no NPU was available. The rules below are written from triton-ascend's and CANN's public
-documentation and are tested only as pure Python (tests/autotune/test_ascend_space.py). The Triton attention
-lowering (triton/attention.py) does not run on npu yet: its capability check refuses the device, so nothing
-looks this space up today. It is registered for `space_for("attention", "triton", "npu")`, keeping the GPU space
-(num_warps, num_stages) away from NPU problems, and is what the tuner will search once the kernel is enabled there.
+documentation and are tested as pure Python (tests/autotune/test_ascend_space.py). On an npu the Triton attention
+lowering (triton/attention.py) runs the persistent kernel with these configs, and only when provider="triton" is
+forced (auto keeps torch_npu's fused attention). That kernel is exact under TRITON_INTERPRET=1 and lowers to
+triton-ascend's ttadapter IR for Ascend910B3 with every default config (tests/codegen/test_ascend_lowering.py), but it
+never ran on an NPU. The space is registered for `space_for("attention", "triton", "npu")`, keeping the GPU space
+(num_warps, num_stages) away from NPU problems.
 
 How triton-ascend differs from Triton on GPUs, and what that does to the space:
 - No num_warps or num_stages: the Ascend backend ignores them (triton-ascend autotune guide: "supports block size
@@ -27,13 +29,12 @@ How triton-ascend differs from Triton on GPUs, and what that does to the space:
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from ttftc.autotune.space import Problem, SearchSpace, register_space
+from ttftc.codegen.triton.ascend_device import AscendDevice, current_device, launch_grid
 from ttftc.codegen.triton.attention import padded_head_dim, triton_next_pow2
 
 ASCEND_TUNING_AXES = {
@@ -50,44 +51,6 @@ _DEFAULT_PREFERENCE = (
     {"block_m": 16, "block_n": 16, "multibuffer": True},
     {"block_m": 16, "block_n": 16, "multibuffer": False},
 )
-
-
-@dataclass(frozen=True)
-class AscendDevice:
-    """What the pruning rules need to know about an Ascend NPU."""
-
-    cube_cores: int  # AI (cube) cores: `num_aicore`
-    vector_cores: int  # `num_vectorcore`
-    ub_bytes: int = 192 * 1024  # Unified Buffer per vector core
-    l1_bytes: int = 512 * 1024  # L1 buffer per cube core
-
-
-# Atlas A2 (Ascend 910B): used when the device cannot be asked. 20 cube cores is the grid of triton-ascend's
-# FlashAttention example; other A2 parts have 24, so a real device's own count always wins.
-ATLAS_A2 = AscendDevice(cube_cores=20, vector_cores=40)
-
-
-def query_device() -> AscendDevice:
-    """The current NPU's core counts from triton-ascend's driver, else the Atlas A2 numbers."""
-    from ttftc.codegen.npu import _torch_npu
-
-    if _torch_npu.load() is None:
-        return ATLAS_A2
-    try:
-        import triton
-
-        props = triton.runtime.driver.active.utils.get_device_properties(torch.npu.current_device())
-        cube, vector = int(props.get("num_aicore", 0)), int(props.get("num_vectorcore", 0))
-    except Exception:  # not triton-ascend's driver, or no device: keep the documented numbers
-        return ATLAS_A2
-    if cube <= 0 or vector <= 0:
-        return ATLAS_A2
-    return AscendDevice(cube_cores=cube, vector_cores=vector)
-
-
-def launch_grid(device: AscendDevice, uses_dot: bool = True) -> tuple[int]:
-    """triton-ascend's grid: one program per physical core (cube cores when the kernel uses tl.dot)."""
-    return (device.cube_cores if uses_dot else device.vector_cores,)
 
 
 def _item(dtype: torch.dtype) -> int:
@@ -149,4 +112,4 @@ def ascend_attention_space(device: Callable[[], AscendDevice]) -> SearchSpace:
                        device_type="npu")
 
 
-register_space(ascend_attention_space(functools.lru_cache(maxsize=1)(query_device)))
+register_space(ascend_attention_space(current_device))

@@ -13,12 +13,14 @@ so the kernels also run under the interpreter.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ttftc.codegen.lowering import register_lowering
 from ttftc.codegen.triton._ffn_norm_support import HAS_TRITON, device_reason, dtype_reason, interpreting
+from ttftc.codegen.triton.launch import KernelLaunch
 from ttftc.ops.ffn import ACTIVATIONS
 
 ACT_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}  # silu 0, gelu_tanh 1, gelu 2, relu 3
@@ -87,32 +89,53 @@ if HAS_TRITON:
                  result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _blocks(m: int, n: int, k: int, interpret: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). One fixed config: the autotuner owns search spaces."""
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# The GPU configs: the autotuner owns search spaces, and this kernel has none yet.
+GPU_CONFIG = GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+# fp32 runs IEEE dots on FMA units: the gated kernel's two 64x64 accumulators spill 476 B per thread on sm_80
+# with 4 warps (`ttftc kernels --target sm_80`) and use all 254 registers with 8; 32-row tiles use 155-168.
+GPU_CONFIG_FP32 = GemmConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=3)
+
+
+def gemm_config(m: int, n: int, k: int, interpret: bool, dtype: torch.dtype = torch.float16) -> GemmConfig:
     if interpret:  # every simulated program costs Python time: fewer, larger tiles for tiny test shapes
-        return (max(16, min(64, triton.next_power_of_2(m))), max(16, min(64, triton.next_power_of_2(n))),
-                max(16, min(64, triton.next_power_of_2(k))), 4)
-    return 64, 64, 32, 4
+        return GemmConfig(max(16, min(64, triton.next_power_of_2(m))), max(16, min(64, triton.next_power_of_2(n))),
+                          max(16, min(64, triton.next_power_of_2(k))), 4, 1)
+    return GPU_CONFIG_FP32 if dtype == torch.float32 else GPU_CONFIG
+
+
+def gemm_act_launch(x2d: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor, *, act: str,
+                    gated: bool) -> KernelLaunch:
+    """act(x·W_gateᵀ + b_g)·(x·W_upᵀ + b_u) into out [M, N] when gated (w is [2N, K]), else act(x·Wᵀ + b)."""
+    m, k = x2d.shape
+    n = out.shape[1]
+    interpret = interpreting(x2d)
+    config = gemm_config(m, n, k, interpret, x2d.dtype)
+    return KernelLaunch(
+        _gemm_act_kernel, (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n)),
+        (x2d, w, b if b is not None else w, out, m, n, k, n if gated else 0,
+         x2d.stride(0), x2d.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1)),
+        dict(HAS_BIAS=b is not None, GATED=gated, ACT=ACT_CODES[act], DOT_FP32=interpret or x2d.dtype == torch.float32,
+             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k),
+        dict(num_warps=config.num_warps, num_stages=config.num_stages),
+    )
 
 
 def gemm_act(x2d: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], *, act: str, gated: bool) -> torch.Tensor:
     """act(x·W_gateᵀ + b_g)·(x·W_upᵀ + b_u) when gated (w is [2N, K]), else act(x·Wᵀ + b); out [M, N]."""
-    m, k = x2d.shape
+    m = x2d.shape[0]
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
-    if m == 0 or n == 0:
-        return out
-    interpret = interpreting(x2d)
-    block_m, block_n, block_k, warps = _blocks(m, n, k, interpret)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _gemm_act_kernel[grid](
-        x2d, w, b if b is not None else w, out,
-        m, n, k, n if gated else 0,
-        x2d.stride(0), x2d.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=b is not None, GATED=gated, ACT=ACT_CODES[act],
-        DOT_FP32=interpret or x2d.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-    )
+    if m and n:
+        gemm_act_launch(x2d, w, b, out, act=act, gated=gated).run()
     return out
 
 

@@ -15,12 +15,14 @@ Capable on CUDA, and on CPU only under TRITON_INTERPRET=1 with provider="triton"
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ttftc.codegen.lowering import register_lowering
 from ttftc.codegen.triton._ffn_norm_support import HAS_TRITON, device_reason
+from ttftc.codegen.triton.launch import KernelLaunch
 from ttftc.ops.ffn import apply_activation
 from ttftc.ops.int8_linear import operands_reason
 from ttftc.ops.quant import gated_ffn_int8_reason
@@ -77,30 +79,51 @@ if HAS_TRITON:
         tl.store(s_ptr + row, scale)
 
 
-def _gemm_blocks(interpret: bool) -> tuple[int, int, int, int]:
-    # The interpreter simulates each program with numpy: few, large tiles are fastest and tl.dot needs >= 16.
-    return (32, 32, 32, 1) if interpret else (64, 64, 64, 4)
+@dataclass(frozen=True)
+class Int8GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+GPU_CONFIG = Int8GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+# The interpreter simulates each program with numpy: few, large tiles are fastest and tl.dot needs >= 16.
+INTERPRETER_CONFIG = Int8GemmConfig(block_m=32, block_n=32, block_k=32, num_warps=1, num_stages=1)
+QUANTIZE_MAX_BLOCK = 1024
+
+
+def int8_gemm_launch(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor], out: torch.Tensor) -> KernelLaunch:
+    """x_scale and w_scale must already be contiguous fp32 (int8_gemm makes them so)."""
+    m, k = xq.shape
+    n = w_int8.shape[0]
+    config = INTERPRETER_CONFIG if xq.device.type == "cpu" else GPU_CONFIG
+    return KernelLaunch(
+        _int8_gemm_kernel, (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n)),
+        (xq, w_int8, x_scale, w_scale, bias if bias is not None else w_scale, out, m, n, k,
+         xq.stride(0), xq.stride(1), w_int8.stride(0), w_int8.stride(1), out.stride(0), out.stride(1)),
+        dict(HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k),
+        dict(num_warps=config.num_warps, num_stages=config.num_stages),
+    )
 
 
 def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor,
               bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     """xq [M, K] int8, x_scale [M] fp32, w_int8 [N, K], w_scale [N] → [M, N] out_dtype."""
-    m, k = xq.shape
-    n = w_int8.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    if m == 0:
-        return out
-    block_m, block_n, block_k, warps = _gemm_blocks(xq.device.type == "cpu")
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    x_scale = x_scale.reshape(-1).float().contiguous()
-    w_scale = w_scale.float().contiguous()
-    _int8_gemm_kernel[grid](
-        xq, w_int8, x_scale, w_scale, bias if bias is not None else w_scale, out,
-        m, n, k,
-        xq.stride(0), xq.stride(1), w_int8.stride(0), w_int8.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-    )
+    m = xq.shape[0]
+    out = torch.empty(m, w_int8.shape[0], dtype=out_dtype, device=xq.device)
+    if m:
+        int8_gemm_launch(xq, x_scale.reshape(-1).float().contiguous(), w_int8, w_scale.float().contiguous(), bias,
+                         out).run()
     return out
+
+
+def quantize_launch(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> KernelLaunch:
+    m, k = x2d.shape
+    return KernelLaunch(_quantize_rows_kernel, (m,), (x2d, q, scale, k, x2d.stride(0), q.stride(0)),
+                        dict(BLOCK_K=min(QUANTIZE_MAX_BLOCK, triton.next_power_of_2(k))))
 
 
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +132,7 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.int8, device=x2d.device)
     scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
     if m:
-        block_k = min(1024, triton.next_power_of_2(k))
-        _quantize_rows_kernel[(m,)](x2d, q, scale, k, x2d.stride(0), q.stride(0), BLOCK_K=block_k)
+        quantize_launch(x2d, q, scale).run()
     return q, scale
 
 

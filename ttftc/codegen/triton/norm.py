@@ -14,6 +14,7 @@ import torch
 
 from ttftc.codegen.lowering import register_lowering
 from ttftc.codegen.triton._ffn_norm_support import HAS_TRITON, device_reason, dtype_reason
+from ttftc.codegen.triton.launch import KernelLaunch
 
 MAX_HIDDEN = 16384
 
@@ -69,6 +70,26 @@ def norm_reason(ctx, x, norm_w, norm_b=None, residual=None, *, kind, eps) -> Opt
     return None
 
 
+def norm_warps(block: int) -> int:
+    """Warps for a row of BLOCK elements: at most 32 fp32 elements per thread, so the row, its residual and
+    the weight stay in registers (four warps for every row up to 4096 wide; 16 for 16384)."""
+    return max(4, min(16, block // 1024))
+
+
+def norm_launch(x2: torch.Tensor, r2: torch.Tensor, res_out2: torch.Tensor, norm_w, norm_b, y: torch.Tensor, *,
+                has_residual: bool, kind: str, eps: float) -> KernelLaunch:
+    """The kernel's launch over 2-D rows (one program per row); r2/res_out2 are ignored unless has_residual."""
+    rows, hidden = x2.shape
+    block = triton.next_power_of_2(hidden)
+    return KernelLaunch(
+        _norm_kernel, (rows,),
+        (x2, r2, res_out2, norm_w, norm_b if norm_b is not None else norm_w, y,
+         hidden, x2.stride(0), r2.stride(0), res_out2.stride(0), y.stride(0), float(eps)),
+        dict(HAS_RESIDUAL=has_residual, HAS_BIAS=norm_b is not None, IS_RMS=kind == "rms", BLOCK=block),
+        dict(num_warps=norm_warps(block)),
+    )
+
+
 def fused_norm(x: torch.Tensor, norm_w, norm_b, residual, *, kind: str, eps: float):
     """(y [rows, H], residual_out) for x of any leading shape; y is 2-D, the callers reshape."""
     hidden = x.shape[-1]
@@ -86,12 +107,8 @@ def fused_norm(x: torch.Tensor, norm_w, norm_b, residual, *, kind: str, eps: flo
     else:
         r2, res_out, res_out2 = x2, x.new_empty(0), x2
     if rows:
-        _norm_kernel[(rows,)](
-            x2, r2, res_out2, norm_w, norm_b if norm_b is not None else norm_w, y,
-            hidden, x2.stride(0), r2.stride(0), res_out2.stride(0), y.stride(0), float(eps),
-            HAS_RESIDUAL=residual is not None, HAS_BIAS=norm_b is not None, IS_RMS=kind == "rms",
-            BLOCK=triton.next_power_of_2(hidden),
-        )
+        norm_launch(x2, r2, res_out2, norm_w, norm_b, y, has_residual=residual is not None, kind=kind,
+                    eps=eps).run()
     return y, res_out
 
 
