@@ -21,6 +21,7 @@ _LAZY = {
     "ttftc_backend": "ttftc.dynamo_backend",
     "compile": "ttftc.api",
     "explain": "ttftc.api",
+    "LLM": "ttftc.llm",
     "load": "ttftc.aot.build",
 }
 

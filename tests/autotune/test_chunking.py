@@ -12,7 +12,7 @@ from ttftc.autotune import cache as cache_module
 from ttftc.autotune.api import tune_model
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.chunking import (
-    OP, chunk_candidates, chunk_key, pick_chunk_size, runner_of, tune_chunk_sizes, tuned_chunk_sizes,
+    OP, chunk_candidates, chunk_key, pick_chunk_size, runner_of, tune_chunk_sizes, tuned_chunk_sizes, tuned_chunk_table,
 )
 from ttftc.commands.autotune import _chunk_sizes
 from ttftc.runtime import PrefillEngine
@@ -92,18 +92,18 @@ def test_tuned_chunk_size_round_trips_and_the_engine_uses_it(model, tmp_path, mo
     assert tuned_chunk_sizes(model, AutotuneCache(tmp_path)) == {12: 4}
 
     ids = zoo.example_ids(model, 12)[0].tolist()
-    whole = PrefillEngine(model, autotune=False).first_token(ids)
+    whole = PrefillEngine(model).first_token(ids)
     sizes = count_forwards(monkeypatch)
-    engine = PrefillEngine(model, autotune_cache=AutotuneCache(tmp_path))
+    engine = PrefillEngine(model, chunk_size=tuned_chunk_table(model, AutotuneCache(tmp_path)))
     assert engine.chunk_size_for(12) == 4
     first = engine.first_token(ids)
     assert sizes == [4, 4, 4]
     assert first.token == whole.token
     torch.testing.assert_close(first.logits, whole.logits, atol=1e-4, rtol=1e-4)
 
-    # A caller's own chunk size, or autotune=False, wins over the cache.
-    assert PrefillEngine(model, chunk_size=6, autotune_cache=AutotuneCache(tmp_path)).chunk_size_for(12) == 6
-    assert PrefillEngine(model, autotune=False, autotune_cache=AutotuneCache(tmp_path)).chunk_size_for(12) is None
+    # The runtime never reads the autotune cache on its own (it is the lower layer): the caller hands it a size.
+    assert PrefillEngine(model, chunk_size=6).chunk_size_for(12) == 6
+    assert PrefillEngine(model).chunk_size_for(12) is None
 
     # Cached now: nothing is timed again.
     again = FavourTimer(8)
@@ -115,9 +115,9 @@ def test_tuned_chunk_size_round_trips_and_the_engine_uses_it(model, tmp_path, mo
 def test_the_default_cache_is_read_when_none_is_given(model, tmp_path, monkeypatch):
     monkeypatch.setenv("TTFTC_AUTOTUNE_CACHE", str(tmp_path))
     AutotuneCache(tmp_path).store(chunk_key(model, 64), {"chunk_size": 16}, 1.0, 2.0)
-    assert PrefillEngine(model).tuned_chunk_sizes == {64: 16}
+    assert tuned_chunk_table(model).sizes == {64: 16}
     other = zoo.build("llama", "sdpa", hidden_size=128)
-    assert PrefillEngine(other).tuned_chunk_sizes == {}, "another model's entry must not apply"
+    assert tuned_chunk_table(other).sizes == {}, "another model's entry must not apply"
 
 
 def test_stale_entry_is_ignored_with_a_warning(model, tmp_path, monkeypatch):
@@ -125,7 +125,7 @@ def test_stale_entry_is_ignored_with_a_warning(model, tmp_path, monkeypatch):
     monkeypatch.setattr(cache_module, "current_versions", lambda: {"ttftc": "9", "torch": "9", "triton": "9"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert PrefillEngine(model, autotune_cache=AutotuneCache(tmp_path)).tuned_chunk_sizes == {}
+        assert tuned_chunk_table(model, AutotuneCache(tmp_path)).sizes == {}
     assert len(caught) == 1 and "stale" in str(caught[0].message)
 
 
@@ -159,5 +159,5 @@ def test_tune_model_tunes_chunks_of_the_compiled_model_and_its_engine_uses_them(
     chunked = [r for r in results if r.problem.op == OP]
     assert [(r.status, r.config, r.bucket) for r in chunked] == [("tuned", {"chunk_size": 8}, 16)]
     compiled = torch.compile(model, backend=ttftc.backend(config))
-    assert PrefillEngine(compiled, autotune_cache=cache).chunk_size_for(16) == 8
-    assert PrefillEngine(model, autotune_cache=cache).chunk_size_for(16) is None, "the eager runner was not tuned"
+    assert PrefillEngine(compiled, chunk_size=tuned_chunk_table(compiled, cache)).chunk_size_for(16) == 8
+    assert tuned_chunk_table(model, cache).for_tokens(16) is None, "the eager runner was not tuned"

@@ -3,8 +3,10 @@
 `ttftc autotune MODEL --chunk-sizes 256,512,1024` times, per prompt length in `--buckets`, one prefill through
 `ttftc.runtime.PrefillEngine` with the whole prompt in one forward (the default) and with each chunk size shorter
 than the prompt, and stores the fastest. A chunked candidate must produce the whole-prompt logits (within a
-precision-dependent tolerance) to count. A `PrefillEngine` built without a `chunk_size` then uses the tuned size
-for the nearest tuned prompt length (the smallest one not shorter than the prompt, else the longest).
+precision-dependent tolerance) to count. `tuned_chunk_table(model)` reads the stored sizes back as a
+`ttftc.runtime.ChunkTable`; a `PrefillEngine(model, chunk_size=tuned_chunk_table(model))` then uses the tuned size
+for the nearest tuned prompt length (the smallest one not shorter than the prompt, else the longest). The runtime
+never reads the autotune cache itself: it is the lower layer, and this module hands it the table.
 
 An entry is keyed like a kernel's (autotune/cache.py): device name (CPU model and thread count, or GPU name), the
 op name "chunked_prefill", a "provider" naming how the model runs (`runner_of`: "eager", "compiled" for a foreign
@@ -27,6 +29,7 @@ import torch
 from ttftc.autotune.cache import AutotuneCache, TuneKey
 from ttftc.autotune.keys import device_name
 from ttftc.autotune.space import Problem
+from ttftc.runtime.chunked import ChunkTable
 
 OP = "chunked_prefill"
 # Largest |chunked - whole| logit difference accepted, relative to the largest |logit|, per ttftc precision.
@@ -124,13 +127,15 @@ def tuned_chunk_sizes(model: torch.nn.Module, cache: Optional[AutotuneCache] = N
         return {}
 
 
+def tuned_chunk_table(model: torch.nn.Module, cache: Optional[AutotuneCache] = None) -> ChunkTable:
+    """The tuned chunk sizes of `model` as it runs here, for `PrefillEngine(model, chunk_size=...)`."""
+    return ChunkTable(tuned_chunk_sizes(model, cache))
+
+
 def pick_chunk_size(table: Mapping[int, Optional[int]], n_tokens: int) -> Optional[int]:
     """The tuned chunk size for a prefill of `n_tokens`: from the smallest tuned length >= n_tokens, else from the
     longest tuned length; None (whole prompt) when nothing is tuned."""
-    if not table:
-        return None
-    at_least = [length for length in table if length >= n_tokens]
-    return table[min(at_least) if at_least else max(table)]
+    return ChunkTable(table).for_tokens(n_tokens)
 
 
 def chunk_candidates(prompt_len: int, chunk_sizes: Sequence[int]) -> list[Optional[int]]:
@@ -192,7 +197,7 @@ def tune_chunk_sizes(
             outputs: list[torch.Tensor] = []  # the whole-prompt logits (index 0) are the reference
 
             def run(config: dict) -> Callable[[], torch.Tensor]:
-                engine = PrefillEngine(model, chunk_size=config["chunk_size"], autotune=False)
+                engine = PrefillEngine(model, chunk_size=config["chunk_size"])
 
                 def prefill() -> torch.Tensor:
                     first = engine.first_token(ids)

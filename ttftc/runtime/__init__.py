@@ -5,8 +5,9 @@
     first = engine.first_token(ids, tenant="acme")     # .token .logits .kv .cached_tokens
 """
 
-from ttftc.runtime.chunked import FirstToken, PrefillJob
+from ttftc.runtime.chunked import ChunkTable, FirstToken, PrefillJob
 from ttftc.runtime.engine import PrefillEngine
+from ttftc.runtime.engine_loop import EndEvent, EngineClosedError, EngineLoop, TokenEvent
 from ttftc.runtime.kv import KVHandle, ModelGeometry
 from ttftc.runtime.prefix_cache import CacheLease, LeaseReleasedError, PrefixCache, PrefixCacheStats
 from ttftc.runtime.sampling import GREEDY, Sampling
@@ -14,7 +15,8 @@ from ttftc.runtime.scheduler import Request, RequestRecord, StepScheduler, StepS
 from ttftc.runtime.sessions import ChatSession, Turn
 
 __all__ = [
-    "GREEDY", "CacheLease", "ChatSession", "FirstToken", "KVHandle", "LeaseReleasedError", "ModelGeometry",
+    "GREEDY", "CacheLease", "ChatSession", "ChunkTable", "EndEvent", "EngineClosedError", "EngineLoop", "FirstToken",
+    "KVHandle", "LeaseReleasedError", "ModelGeometry",
     "PrefillEngine", "PrefillJob", "PrefixCache", "PrefixCacheStats", "Request", "RequestRecord", "Sampling",
-    "StepScheduler", "StepStats", "Turn",
+    "StepScheduler", "StepStats", "TokenEvent", "Turn",
 ]

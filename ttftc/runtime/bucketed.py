@@ -20,7 +20,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from ttftc.buckets.program import GraphProgram, GraphSignature, output_names
+from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.buckets.table import bucket_for
 from ttftc.config import OVERSIZE_POLICIES, Config
@@ -35,6 +35,7 @@ class GraphSource(Protocol):
 
     plan: BucketPlan
     max_positions: Optional[int]
+    vocab_size: Optional[int]  # token ids must lie in [0, vocab_size); None: unknown, not checked
     takes_positions: bool
 
     def get(self, signature: GraphSignature) -> GraphProgram: ...
@@ -121,6 +122,21 @@ def _normalise(input_ids: torch.Tensor, attention_mask, position_ids) -> _Prompt
     return _Prompt(input_ids, lengths, starts, position_ids, bool((starts == 0).all()))
 
 
+def _check_token_ids(prompt: _Prompt, vocab_size: Optional[int]) -> None:
+    """Every real token id is a row of the embedding: an id outside it would fail deep inside the graph (an
+    IndexError on CPU, a device-side assert on CUDA). Padding slots are not read, so they are not checked."""
+    ids = prompt.input_ids
+    if vocab_size is None or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size):
+        return
+    cols = torch.arange(prompt.width)
+    real = (cols[None, :] >= prompt.starts[:, None]) & (cols[None, :] < (prompt.starts + prompt.lengths)[:, None])
+    bad = real & ((ids.cpu() < 0) | (ids.cpu() >= vocab_size))
+    if bad.any():
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"token id {int(ids[row, col])} (batch row {row}, position {col}) is outside the "
+                         f"vocabulary [0, {vocab_size}); token ids must come from this model's tokenizer")
+
+
 def _gather_rows(x: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
     """x[b, starts[b] + j] for j < width (clamped at the end of x): each row shifted to start at 0."""
     cols = (starts[:, None] + torch.arange(width)[None, :]).clamp(max=x.shape[1] - 1).to(x.device)
@@ -166,6 +182,7 @@ class BucketedModel:
             raise TypeError(f"BucketedModel does not support the arguments {sorted(unsupported)}")
         mode = _logits_mode(logits_to_keep)
         prompt = _normalise(input_ids, attention_mask, position_ids)
+        _check_token_ids(prompt, self.source.vocab_size)
         with torch.no_grad():
             if not self.plan.safe:
                 ragged = bool((prompt.lengths != prompt.width).any())
@@ -287,23 +304,6 @@ def _logits_mode(logits_to_keep) -> str:
         f"logits_to_keep={logits_to_keep!r} is not supported by the bucketed model: use 0 (every position) or 1 "
         "(each sequence's last real token)"
     )
-
-
-def named_outputs(flat) -> dict[str, torch.Tensor]:
-    return dict(zip(output_names(len(flat)), flat))
-
-
-def dynamic_runner(model: torch.nn.Module, config: Config, logits: str, kv: bool) -> Callable[[dict], dict]:
-    """The model compiled by ttftc with dynamic shapes (through Dynamo): the path for prompts with no bucket."""
-    from ttftc.dynamo_backend import TtftcBackend
-    from ttftc.buckets.capture import PrefillAdapter
-
-    compiled = torch.compile(PrefillAdapter(model, logits=logits, kv=kv), backend=TtftcBackend(config), dynamic=True)
-
-    def run(tensors: dict) -> dict:
-        return named_outputs(compiled(**tensors))
-
-    return run
 
 
 _DEFAULT_CACHE = object()

@@ -3,22 +3,44 @@
 Every forward sees at most one chunk of queries, so activations (hidden states, MLP intermediates, the
 [chunk x kv_len] attention scores) are bounded by the chunk size, and only the last position's logits are
 computed. A `PrefillJob` is resumable: the step scheduler advances it a few tokens per step between other requests'
-decode steps; `PrefillEngine.first_token` simply runs it to the end.
+decode steps; `PrefillEngine.first_token` simply runs it to the end. A cold job's first stretch may instead be
+computed by a bucketed model together with other jobs (`PrefillEngine.prefill_together`), which hands each job
+its rows of the batch's KV through `absorb`.
+
+How long a chunk is comes from the caller: a fixed size, or a `ChunkTable` of sizes per prompt length (what
+`ttftc autotune --chunk-sizes` measures; autotune/chunking.py builds the table, this layer only reads it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable, Mapping, Optional, Sequence
 
 import torch
 
-from ttftc.runtime.kv import KVHandle, block_payload, cache_from_blocks, full_kv_layers, reserve
+from ttftc.runtime.kv import KVHandle, block_payload, cache_from_blocks, cache_from_layers, full_kv_layers, reserve
 from ttftc.runtime.prefix_cache import CacheLease
 from ttftc.runtime.sampling import Sampling
 
 if TYPE_CHECKING:
     from ttftc.runtime.engine import PrefillEngine
+
+
+@dataclass(frozen=True)
+class ChunkTable:
+    """Chunk sizes per prompt length: {prompt length: chunk size, None for the whole prompt in one forward}.
+
+    A prefill of n uncached tokens takes the entry of the smallest length >= n, else that of the longest length;
+    an empty table means one forward.
+    """
+
+    sizes: Mapping[int, Optional[int]] = field(default_factory=dict)
+
+    def for_tokens(self, n_tokens: int) -> Optional[int]:
+        if not self.sizes:
+            return None
+        at_least = [length for length in self.sizes if length >= n_tokens]
+        return self.sizes[min(at_least) if at_least else max(self.sizes)]
 
 
 @dataclass
@@ -49,6 +71,7 @@ class PrefillJob:
         self._handle = handle
         self._logits: Optional[torch.Tensor] = None
         self.result: Optional[FirstToken] = None
+        self._unpublished = False
         self.cancelled = False
         if handle is not None:
             # Extending live KV (the next turn of a chat): everything already in the handle counts as cached.
@@ -72,13 +95,19 @@ class PrefillJob:
         return len(self.token_ids) - self.position
 
     @property
+    def cold(self) -> bool:
+        """Nothing of this prompt is in its KV yet (no cache hit, no earlier turn, no chunk run)."""
+        return self.position == 0 and self._handle is None and not self.cancelled and self.result is None
+
+    @property
     def done(self) -> bool:
         return self.result is not None
 
-    def advance(self, max_tokens: Optional[int] = None) -> Optional[FirstToken]:
+    def advance(self, max_tokens: Optional[int] = None, *, publish: bool = True) -> Optional[FirstToken]:
         """Run ONE forward over the next `max_tokens` uncached tokens (all of them when None).
 
-        Returns the FirstToken once the whole prompt is in the KV, else None.
+        Returns the FirstToken once the whole prompt is in the KV, else None. With publish=False the prompt's
+        blocks go to the prefix cache only when the caller calls `publish()` (see there).
         """
         if self.cancelled:
             raise RuntimeError("this prefill job was cancelled")
@@ -94,6 +123,27 @@ class PrefillJob:
             self._handle.token_ids.extend(self.token_ids[start:start + n])
         if self.remaining == 0:
             self.result = self._finish()
+            if publish:
+                self.publish()
+        return self.result
+
+    def absorb(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], logits: torch.Tensor, *,
+               publish: bool = True) -> Optional[FirstToken]:
+        """Take the KV of this cold job's first `n` tokens, computed elsewhere (a bucketed batch): per layer
+        (keys, values) of shape [1, kv_heads, n, head_dim], and the logits at token n-1. Returns the FirstToken when
+        that was the whole prompt, else None (the rest continues with `advance`)."""
+        if not self.cold:
+            raise RuntimeError("only a cold prefill job can take KV computed elsewhere")
+        n = layers[0][0].shape[-2]
+        if not 1 <= n <= len(self.token_ids):
+            raise ValueError(f"absorbed KV covers {n} tokens; the prompt has {len(self.token_ids)}")
+        self._kv = cache_from_layers(self.engine.model, layers, capacity=len(self.token_ids))
+        self._logits = logits
+        self.position = n
+        if self.remaining == 0:
+            self.result = self._finish()
+            if publish:
+                self.publish()
         return self.result
 
     def run(self, chunk_size: Optional[int] = None) -> FirstToken:
@@ -105,6 +155,7 @@ class PrefillJob:
     def cancel(self) -> None:
         """Give up: drop the KV and any lease. The handle of an extend job stays valid up to what was computed."""
         self.cancelled = True
+        self._unpublished = False
         if self._match is not None:
             self._match.release_if_held()
         self._kv = None
@@ -112,18 +163,30 @@ class PrefillJob:
     def _finish(self) -> FirstToken:
         logits = self._logits
         token = self.sampling.pick(logits, self.sampling.generator())
-        lease = self._insert()
-        if self._match is not None:
-            self._match.release()
-            self._match = None
         handle = self._handle
         if handle is None:
-            handle = KVHandle(self._kv, list(self.token_ids), self.tenant, lease)
-        elif lease is not None:
-            handle.replace_lease(lease)
-        self._kv = None
+            handle = KVHandle(self._kv, list(self.token_ids), self.tenant)
+        self._unpublished = True
         return FirstToken(token=token, logits=logits, kv=handle, cached_tokens=self.cached_tokens,
                           computed_tokens=len(self.token_ids) - self.cached_tokens)
+
+    def publish(self) -> None:
+        """Put the prompt's full blocks into the prefix cache, lease them to the KV handle, and let go of the
+        blocks this prompt was served from. Split from the prefill so that a server can send the first token
+        before this copy (about 64 KiB per token of llama-135m); it must run before the first decode step, which
+        grows the KV past the prompt. A no-op before the prefill finished and after the first call."""
+        if not self._unpublished:
+            return
+        self._unpublished = False
+        try:
+            lease = self._insert()
+        finally:
+            if self._match is not None:
+                self._match.release()
+                self._match = None
+            self._kv = None
+        if lease is not None:
+            self.result.kv.replace_lease(lease)
 
     def _insert(self) -> Optional[CacheLease]:
         cache = self.engine.prefix_cache

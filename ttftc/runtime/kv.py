@@ -154,32 +154,47 @@ def reserve(cache, total_tokens: int) -> None:
 
 def cache_from_blocks(model: torch.nn.Module, blocks: Sequence[torch.Tensor], capacity: int = 0):
     """A DynamicCache holding the KV of `blocks` (possibly none), with room for `capacity` tokens in all."""
-    cache = new_cache(model, capacity)
     if not blocks:
-        return cache
-    num_layers = blocks[0].shape[0]
+        return new_cache(model, capacity)
+    parts = [[(b[layer, 0], b[layer, 1]) for b in blocks] for layer in range(blocks[0].shape[0])]
+    return _filled_cache(model, parts, capacity)
+
+
+def cache_from_layers(model: torch.nn.Module, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], capacity: int = 0):
+    """A DynamicCache holding per-layer (keys, values) of shape [1, kv_heads, n, head_dim] (copied, so the caller's
+    tensors, e.g. rows of a batch, are not kept alive), with room for `capacity` tokens in all."""
+    dtype = ModelGeometry.of(model).dtype
+    return _filled_cache(model, [[(k[0].to(dtype), v[0].to(dtype))] for k, v in layers], capacity)
+
+
+def _filled_cache(model: torch.nn.Module, parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+                  capacity: int):
+    """A DynamicCache whose layer i holds the concatenation of parts[i], a list of (keys, values) pieces of shape
+    [kv_heads, n, head_dim] in sequence order."""
+    cache = new_cache(model, capacity)
+    num_layers = len(parts)
     if len(cache.layers) not in (0, num_layers):
-        raise ValueError(f"cached blocks have {num_layers} layers, the model's cache has {len(cache.layers)}")
-    cached = sum(b.shape[3] for b in blocks)
-    for layer_idx in range(num_layers):
+        raise ValueError(f"the KV has {num_layers} layers, the model's cache has {len(cache.layers)}")
+    cached = sum(k.shape[1] for k, _ in parts[0])
+    for layer_idx, pieces in enumerate(parts):
         layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
         if isinstance(layer, GrowableLayer):
-            # Copy each block straight into the layer's buffer: one copy, no intermediate concatenation.
-            _, _, heads, _, head_dim = blocks[0].shape
-            keys = blocks[0].new_empty((1, heads, max(capacity, cached), head_dim))
+            # Copy each piece straight into the layer's buffer: one copy, no intermediate concatenation.
+            heads, _, head_dim = pieces[0][0].shape
+            keys = pieces[0][0].new_empty((1, heads, max(capacity, cached), head_dim))
             values = torch.empty_like(keys)
             pos = 0
-            for b in blocks:
-                n = b.shape[3]
-                keys[0, :, pos:pos + n].copy_(b[layer_idx, 0])
-                values[0, :, pos:pos + n].copy_(b[layer_idx, 1])
+            for k, v in pieces:
+                n = k.shape[1]
+                keys[0, :, pos:pos + n].copy_(k)
+                values[0, :, pos:pos + n].copy_(v)
                 pos += n
             layer.lazy_initialization(keys, values)
             layer._key_buffer, layer._value_buffer = keys, values
             layer.keys, layer.values = keys[:, :, :cached], values[:, :, :cached]
         else:
-            keys = torch.cat([b[layer_idx, 0] for b in blocks], dim=1).unsqueeze(0)
-            values = torch.cat([b[layer_idx, 1] for b in blocks], dim=1).unsqueeze(0)
+            keys = torch.cat([k for k, _ in pieces], dim=1).unsqueeze(0).contiguous()
+            values = torch.cat([v for _, v in pieces], dim=1).unsqueeze(0).contiguous()
             if layer is not None and type(layer) is DynamicLayer:
                 # Adopt the fresh tensors: `update` would concatenate them once more onto an empty tensor.
                 layer.lazy_initialization(keys, values)

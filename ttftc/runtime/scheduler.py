@@ -1,21 +1,38 @@
-"""A step scheduler that interleaves prefill chunks with other requests' decode steps under a token budget.
+"""A step scheduler that interleaves prefill chunks with other requests' decode steps under a token budget, and
+batches the prefills of requests that arrive close together.
 
-Each `step()` (the Sarathi-Serve recipe):
+Each `step()` (the Sarathi-Serve recipe, plus a batching window):
   1. every running request decodes one token (FCFS, one budget token each): decodes are never starved by a prefill;
   2. the rest of the budget goes to prefills, shortest remaining prompt first (what minimises mean TTFT), with
      arrival order breaking ties; a prefill that got nothing for `max_skipped_steps` steps in a row goes first,
      so a long prompt is never starved. With chunking, a request gets at most `chunk_size` tokens per step, so a
      long prompt takes many steps and a short prompt that arrives meanwhile waits for one step, not the whole
      prompt; without chunking a prompt is prefilled whole (the first prefill of a step always runs, however long).
+     Past the first prefill of a step, one runs only if its whole chunk (or rest) fits the budget left: a sliver
+     of a few tokens would cost a forward of its own, and a prefix of 1 token makes a compiled model recompile;
+  3. the prefills chosen for the step that the engine can run on its bucketed path (cold prompts, or a cold
+     prompt's first chunk, that fit a bucket) run together, in shared padded forwards; the others (prefix-cache
+     hits, later chunks) run one after another on the KV path. Decodes are batch-1 forwards.
 
-There is no batching across requests: each chunk and each decode is its own batch-1 forward, run one after another.
-What the scheduler bounds is the work between two consecutive steps, and so how long a decode or a newly arrived
-short prompt waits behind a long prefill.
+The batching window. A request that has not started its prefill waits until `batch_window_s` has passed since the
+earliest such request arrived, or until the waiting prompts hold `token_budget` tokens, whichever comes first;
+then all of them (up to `max_running` sequences in flight) are admitted into one step. The window is a trade:
+every request it holds back pays up to the whole window in TTFT, and what it buys is fewer, larger prefill
+forwards (throughput: one GEMM over B prompts reads the weights once instead of B times). A window of 0 admits
+each request at the next step; under load, requests that arrive during a step are batched anyway, so the window
+only matters when the engine would otherwise start a prefill for a single request while more are about to come.
+
+Tokens and finishes are reported as they happen, through `on_token(request_id, token)` and
+`on_finish(request_id)` if set, not only in the StepStats at the end of the step: a short prompt's first token
+must not wait for the rest of the step (a long prompt's chunk, other requests' decodes) to reach its client.
+
+One scheduler belongs to one thread: nothing here is locked (runtime/engine_loop.py drives it from its thread).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +41,9 @@ from typing import Callable, Hashable, Optional
 from ttftc.runtime.chunked import FirstToken, PrefillJob
 from ttftc.runtime.engine import PrefillEngine, PromptIds
 from ttftc.runtime.sampling import GREEDY, Sampling
+
+# RequestRecord.finish_reason values.
+LENGTH, STOP, CANCELLED, ERROR = "length", "stop", "cancelled", "error"
 
 
 @dataclass
@@ -34,6 +54,7 @@ class Request:
     sampling: Sampling = GREEDY
     eos_token_id: Optional[int] = None
     request_id: Hashable = None
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -44,15 +65,31 @@ class RequestRecord:
     prompt_tokens: int
     submitted_at: float
     cached_tokens: int = 0
+    prefill_started_at: Optional[float] = None
     first_token_at: Optional[float] = None
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finished: bool = False
     cancelled: bool = False
+    finish_reason: Optional[str] = None  # LENGTH, STOP, CANCELLED or ERROR once it is over
+    error: Optional[str] = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
 
     @property
     def ttft(self) -> Optional[float]:
         return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        """From arrival to the first forward that computed any of its tokens (the batching window included)."""
+        return None if self.prefill_started_at is None else self.prefill_started_at - self.submitted_at
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def max_token_gap(self) -> float:
@@ -66,9 +103,11 @@ class StepStats:
     decode_tokens: int
     prefill_tokens: int
     finished: tuple
+    emitted: tuple = ()  # (request_id, token) in the order the tokens were produced
+    batched_rows: int = 0  # prompts whose prefill ran in a shared bucketed forward this step
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with equal fields are still two requests
 class _Prefill:
     request: Request
     record: RequestRecord
@@ -76,8 +115,12 @@ class _Prefill:
     arrival_order: int
     skipped_steps: int = 0
 
+    @property
+    def started(self) -> bool:
+        return self.record.prefill_started_at is not None
 
-@dataclass
+
+@dataclass(eq=False)
 class _Running:
     request: Request
     record: RequestRecord
@@ -87,25 +130,67 @@ class _Running:
 
 class StepScheduler:
     def __init__(self, engine: PrefillEngine, token_budget: int, *, chunk_size: Optional[int] = None,
-                 clock: Callable[[], float] = time.perf_counter, max_skipped_steps: int = 4):
+                 clock: Callable[[], float] = time.perf_counter, max_skipped_steps: int = 4,
+                 batch_window_s: float = 0.0, max_running: Optional[int] = None):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+        if not batch_window_s >= 0.0 or math.isinf(batch_window_s):
+            raise ValueError(f"batch_window_s must be a finite number >= 0, got {batch_window_s}")
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"max_running must be >= 1 or None, got {max_running}")
         self.engine = engine
         self.token_budget = token_budget
         self.chunk_size = chunk_size
         self.clock = clock
         self.max_skipped_steps = max_skipped_steps
+        self.batch_window_s = batch_window_s
+        self.max_running = max_running
         self.records: dict[Hashable, RequestRecord] = {}
+        # Called during step(), on the scheduler's thread (see the module docstring).
+        self.on_token: Optional[Callable[[Hashable, int], None]] = None
+        self.on_finish: Optional[Callable[[Hashable], None]] = None
         self._prefilling: list[_Prefill] = []
         self._running: deque[_Running] = deque()
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
+    # ---- state -----------------------------------------------------------------------------------------------------
+
     @property
     def idle(self) -> bool:
         return not self._prefilling and not self._running
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding a slot: decoding, or with their prefill under way."""
+        return len(self._running) + sum(1 for item in self._prefilling if item.started)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests whose prefill has not started (inside the batching window, or without a free slot)."""
+        return sum(1 for item in self._prefilling if not item.started)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV the requests in flight hold right now."""
+        return sum(run.first.kv.seq_len for run in self._running) + sum(
+            item.job.position for item in self._prefilling if not item.job.cancelled)
+
+    def next_step_at(self) -> Optional[float]:
+        """When a `step()` would next do work (scheduler clock): now while anything runs, the end of the batching
+        window while requests only wait in it, None when there is nothing at all."""
+        if self._running or any(item.started for item in self._prefilling):
+            return self.clock()
+        waiting = [item for item in self._prefilling if not item.started]
+        if not waiting:
+            return None
+        if sum(item.job.remaining for item in waiting) >= self.token_budget:
+            return self.clock()
+        return min(item.record.submitted_at for item in waiting) + self.batch_window_s
+
+    # ---- requests in and out ---------------------------------------------------------------------------------------
 
     def submit(self, request: Request, *, arrived_at: Optional[float] = None) -> RequestRecord:
         """Queue a request (its prompt is validated and looked up in the prefix cache now).
@@ -126,69 +211,165 @@ class StepScheduler:
         self._prefilling.append(_Prefill(request, record, job, next(self._arrivals)))
         return record
 
-    def cancel(self, request_id: Hashable) -> None:
+    def cancel(self, request_id: Hashable) -> RequestRecord:
+        """Stop a queued or running request and free its KV and its slot."""
         for item in list(self._prefilling):
             if item.request.request_id == request_id:
                 self._prefilling.remove(item)
                 item.job.cancel()
-                item.record.cancelled = True
-                return
+                self._close(item.record, CANCELLED)
+                return item.record
         for run in list(self._running):
             if run.request.request_id == request_id:
                 self._running.remove(run)
-                self._finish(run.first, run.record, cancelled=True)
-                return
+                self._finish(run.first, run.record, CANCELLED)
+                return run.record
         raise KeyError(f"no queued or running request {request_id!r}")
 
+    def forget(self, request_id: Hashable) -> RequestRecord:
+        """Drop the record of a finished request (a long-running server would otherwise keep every one)."""
+        record = self.records[request_id]
+        if not record.done:
+            raise ValueError(f"request {request_id!r} is still in flight; cancel it first")
+        return self.records.pop(request_id)
+
+    # ---- one step --------------------------------------------------------------------------------------------------
+
     def step(self) -> StepStats:
-        budget = self.token_budget
-        finished = []
-        decode_tokens = 0
+        finished: list = []
+        emitted: list = []
+        decode_tokens = self._decode(self.token_budget, finished, emitted)
+        admitted = self._admissible()
+        plan = self._plan_prefills(admitted, self.token_budget - decode_tokens)
+        batched_rows = self._prefill(plan, finished, emitted)
+        served = {id(item) for item, _ in plan}
+        for item in admitted:  # only a prefill that could have run and got no budget is being skipped
+            item.skipped_steps = 0 if id(item) in served else item.skipped_steps + 1
+        return StepStats(decode_tokens, sum(n for _, n in plan), tuple(finished), tuple(emitted), batched_rows)
+
+    def _decode(self, budget: int, finished: list, emitted: list) -> int:
+        count = 0
         for _ in range(min(len(self._running), budget)):
             run = self._running.popleft()
-            token, _ = self.engine.decode_step(run.first.kv, run.record.tokens[-1], run.request.sampling,
-                                               run.generator)
-            run.record.tokens.append(token)
-            run.record.token_times.append(self.clock())
-            decode_tokens += 1
-            if self._complete(run.request, run.record):
-                self._finish(run.first, run.record)
-                finished.append(run.request.request_id)
+            try:
+                token, _ = self.engine.decode_step(run.first.kv, run.record.tokens[-1], run.request.sampling,
+                                                   run.generator)
+            except Exception as exc:  # one broken request must not take the others down
+                self._finish(run.first, run.record, ERROR, error=exc)
+                self._report_finish(run.request, finished)
+                continue
+            count += 1
+            self._emit(run.request, run.record, token, emitted)
+            reason = self._finish_reason(run.request, run.record)
+            if reason is not None:
+                self._finish(run.first, run.record, reason)
+                self._report_finish(run.request, finished)
             else:
                 self._running.append(run)
-        budget -= decode_tokens
+        return count
 
-        prefill_tokens = 0
-        served = set()
-        for item in sorted(self._prefilling, key=self._prefill_priority):
+    def _admissible(self) -> list[_Prefill]:
+        """Prefills this step may serve: those under way, plus waiting ones once their window closed and slots
+        are free."""
+        started = [item for item in self._prefilling if item.started]
+        waiting = [item for item in self._prefilling if not item.started]
+        if not waiting:
+            return started
+        now = self.clock()
+        window_closed = (now >= min(item.record.submitted_at for item in waiting) + self.batch_window_s
+                         or sum(item.job.remaining for item in waiting) >= self.token_budget)
+        if not window_closed:
+            return started
+        slots = len(waiting) if self.max_running is None else max(0, self.max_running - self.num_running)
+        waiting.sort(key=lambda item: item.arrival_order)
+        return started + waiting[:slots]
+
+    def _plan_prefills(self, admitted: list[_Prefill], budget: int) -> list[tuple[_Prefill, int]]:
+        plan: list[tuple[_Prefill, int]] = []
+        for item in sorted(admitted, key=self._prefill_priority):
             if budget <= 0:
                 break
             job = item.job
-            if self.chunk_size is None:
-                if prefill_tokens and job.remaining > budget:
-                    continue
-                n = job.remaining
-            else:
-                n = min(self.chunk_size, budget, job.remaining)
-            first = job.advance(n)
-            served.add(id(item))
-            prefill_tokens += n
+            want = job.remaining if self.chunk_size is None else min(self.chunk_size, job.remaining)
+            if plan and want > budget:
+                continue  # a sliver of the budget would cost a whole forward for a few tokens; the next step has room
+            n = want if self.chunk_size is None else min(want, budget)
+            plan.append((item, n))
             budget -= n
-            if first is None:
+        return plan
+
+    def _prefill(self, plan: list[tuple[_Prefill, int]], finished: list, emitted: list) -> int:
+        """Run the planned prefills in priority order; the bucketed ones together, where the first of them stands."""
+        together = [(item, n) for item, n in plan if self.engine.bucket_for(item.job, n) is not None]
+        ran_together = False
+        for item, n in plan:
+            if any(item is other for other, _ in together):
+                if ran_together:
+                    continue
+                ran_together = True
+                self._mark_started(item for item, _ in together)
+                try:
+                    results = self.engine.prefill_together([(it.job, k) for it, k in together], publish=False)
+                except Exception as exc:
+                    for it, _ in together:
+                        self._fail_prefill(it, exc, finished)
+                    continue
+                for (it, _), first in zip(together, results):
+                    self._after_prefill(it, first, finished, emitted)
                 continue
+            self._mark_started([item])
+            try:
+                first = item.job.advance(n, publish=False)
+            except Exception as exc:
+                self._fail_prefill(item, exc, finished)
+                continue
+            self._after_prefill(item, first, finished, emitted)
+        return len(together) if len(together) > 1 else 0
+
+    def _mark_started(self, items) -> None:
+        now = self.clock()
+        for item in items:
+            if item.record.prefill_started_at is None:
+                item.record.prefill_started_at = now
+
+    def _after_prefill(self, item: _Prefill, first: Optional[FirstToken], finished: list, emitted: list) -> None:
+        if first is None:
+            return
+        self._prefilling.remove(item)
+        item.record.first_token_at = self.clock()
+        self._emit(item.request, item.record, first.token, emitted, at=item.record.first_token_at)
+        try:
+            item.job.publish()  # after the first token left, before the first decode grows the KV
+        except Exception as exc:
+            self._finish(first, item.record, ERROR, error=exc)
+            self._report_finish(item.request, finished)
+            return
+        reason = self._finish_reason(item.request, item.record)
+        if reason is not None:
+            self._finish(first, item.record, reason)
+            self._report_finish(item.request, finished)
+        else:
+            self._running.append(_Running(item.request, item.record, first, item.request.sampling.generator()))
+
+    def _fail_prefill(self, item: _Prefill, exc: Exception, finished: list) -> None:
+        if item in self._prefilling:
             self._prefilling.remove(item)
-            now = self.clock()
-            item.record.first_token_at = now
-            item.record.tokens.append(first.token)
-            item.record.token_times.append(now)
-            if self._complete(item.request, item.record):
-                self._finish(first, item.record)
-                finished.append(item.request.request_id)
-            else:
-                self._running.append(_Running(item.request, item.record, first, item.request.sampling.generator()))
-        for item in self._prefilling:
-            item.skipped_steps = 0 if id(item) in served else item.skipped_steps + 1
-        return StepStats(decode_tokens, prefill_tokens, tuple(finished))
+        item.job.cancel()
+        self._close(item.record, ERROR, error=exc)
+        self._report_finish(item.request, finished)
+
+    def _emit(self, request: Request, record: RequestRecord, token: int, emitted: list,
+              at: Optional[float] = None) -> None:
+        record.tokens.append(token)
+        record.token_times.append(self.clock() if at is None else at)
+        emitted.append((request.request_id, token))
+        if self.on_token is not None:
+            self.on_token(request.request_id, token)
+
+    def _report_finish(self, request: Request, finished: list) -> None:
+        finished.append(request.request_id)
+        if self.on_finish is not None:
+            self.on_finish(request.request_id)
 
     def _prefill_priority(self, item: _Prefill) -> tuple:
         starving = item.skipped_steps >= self.max_skipped_steps
@@ -200,12 +381,22 @@ class StepScheduler:
         return self.records
 
     @staticmethod
-    def _complete(request: Request, record: RequestRecord) -> bool:
-        return len(record.tokens) >= request.max_new_tokens or (
-            request.eos_token_id is not None and record.tokens[-1] == request.eos_token_id)
+    def _finish_reason(request: Request, record: RequestRecord) -> Optional[str]:
+        last = record.tokens[-1]
+        if last == request.eos_token_id or last in request.stop_token_ids:
+            return STOP
+        if len(record.tokens) >= request.max_new_tokens:
+            return LENGTH
+        return None
+
+    def _finish(self, first: FirstToken, record: RequestRecord, reason: str, error: Optional[Exception] = None) -> None:
+        first.kv.release()
+        self._close(record, reason, error)
 
     @staticmethod
-    def _finish(first: FirstToken, record: RequestRecord, cancelled: bool = False) -> None:
-        first.kv.release()
-        record.finished = not cancelled
-        record.cancelled = cancelled
+    def _close(record: RequestRecord, reason: str, error: Optional[Exception] = None) -> None:
+        record.finish_reason = reason
+        record.finished = reason != CANCELLED  # over without being cancelled (an ERROR, too: it will not go on)
+        record.cancelled = reason == CANCELLED
+        if error is not None:
+            record.error = f"{type(error).__name__}: {error}"

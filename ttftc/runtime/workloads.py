@@ -89,7 +89,7 @@ def shared_prefix(model, *, prompt_len: int = 2048, shared_len: int = 1536, repe
     geometry_engine.first_token(system[:32]).kv.release()  # warm-up: first-call costs belong to neither arm
     result = SharedPrefixResult(prompt_len, shared_len)
     for r in range(repeats):
-        tenant = ("shared-prefix", seed, r)  # a fresh namespace: the cold arm misses, honestly
+        tenant = f"shared-prefix-{seed}-{r}"  # a fresh namespace: the cold arm misses, honestly
         prompts = [system + random_tokens(vocab, prompt_len - shared_len, seed * 1000 + 2 * r + k) for k in (1, 2)]
         seconds, first = _timed(engine.first_token, prompts[0], tenant)
         assert first.cached_tokens == 0
@@ -128,7 +128,7 @@ def chat(model, *, turns: int = 4, turn_len: int = 496, reply_len: int = 8, repe
     result = ChatResult(turns, 0)
     for r in range(repeats):
         user_turns = [random_tokens(vocab, turn_len, seed * 1000 + r * 100 + t) for t in range(turns)]
-        with ChatSession(engine, tenant=("chat", r)) as session:
+        with ChatSession(engine, tenant=f"chat-{r}") as session:
             for t in range(turns - 1):
                 session.send(user_turns[t], max_new_tokens=reply_len)
             history = session.history + user_turns[-1]

@@ -36,6 +36,9 @@ The contract:
   percentiles in the row of (variant, --seq). `bound_ms` stays the bound of one cold prefill of --seq tokens,
   so a workload that reuses a prefix can show an efficiency above 1; that is the reuse, not an error.
 - The first-call and unseen-length figures are always measured with a single prompt, whatever the workload.
+- `table()` (optional) returns figures the rows cannot hold, gathered by the workload itself over the run; the
+  harness stores them as `workload_table` and prints them after the rows (the `batch` workload's TTFT per batch
+  size is one).
 """
 
 from ttftc.bench.workloads.base import Request, Server, ServeTarget, Workload, WorkloadContext

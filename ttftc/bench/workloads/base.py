@@ -89,3 +89,9 @@ class Workload(abc.ABC):
         from ttftc.bench.workloads.replay import replay
 
         return replay(requests, server, device=device)
+
+    def table(self) -> Optional[dict]:
+        """Figures the (variant, --seq) rows cannot hold, gathered over the run (the batch workload's TTFT per
+        batch size): {"kind": ..., "rows": [{"variant", "seq", ...}, ...]}, written to the JSON as
+        `workload_table` and printed after the rows. None (the default): nothing beyond the rows."""
+        return None

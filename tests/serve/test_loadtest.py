@@ -1,0 +1,66 @@
+"""`ttftc loadtest` against a real server: the report's figures, its files, and its refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import ttftc
+from ttftc.cli import main
+from ttftc.serve import BackgroundServer, create_app
+from ttftc.serve.loadtest import LoadSpec
+
+
+@pytest.fixture(scope="module")
+def url():
+    llm = ttftc.LLM("tiny", buckets=None, precision="fp32", compile_kv_path=False)
+    server = BackgroundServer(create_app(llm, tenant_header="X-Tenant")).start()
+    yield server.url
+    server.stop()
+    llm.close(drain_timeout_s=5)
+
+
+def test_open_loop_report_with_files(url, tmp_path, capsys):
+    paths = {kind: tmp_path / f"report.{kind}" for kind in ("json", "md", "png")}
+    status = main(["loadtest", url, "--rate", "40", "--duration", "1.5", "--prompt-len", "24", "--shared-prefix",
+                   "16", "--max-tokens", "4", "--long-prompt-len", "300", "--header", "X-Tenant:acme",
+                   "--json", str(paths["json"]), "--md", str(paths["md"]), "--plot", str(paths["png"])])
+    assert status == 0
+    doc = json.loads(paths["json"].read_text())
+    summary = doc["summary"]
+    assert summary["requests"] >= 20 and summary["errors"] == 0 and summary["completed"] == summary["requests"]
+    assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p95"] <= summary["ttft_ms"]["p99"]
+    assert summary["itl_ms"]["n"] == 3 * summary["completed"]  # 4 tokens: 3 gaps each
+    assert summary["slo_attainment"] == pytest.approx(summary["goodput_rps"] / summary["throughput_rps"])
+    assert summary["cached_tokens_mean"] > 0, "the shared prefix was reused under the tenant header"
+    assert doc["settings"]["headers"] == ["X-Tenant"], "header values are not written to the report"
+    (long,) = doc["long"]
+    assert long["prompt_tokens"] == 300 and long["ttft_ms"] > 0 and long["error"] is None
+    assert "| TTFT |" in paths["md"].read_text() and paths["png"].read_bytes()[:4] == b"\x89PNG"
+    assert "TTFT ms" in capsys.readouterr().out
+
+
+def test_closed_loop_measures_capacity(url):
+    import asyncio
+
+    from ttftc.serve.loadtest import run_load
+
+    doc = asyncio.run(run_load(LoadSpec(url=url, rate=math.inf, duration_s=1.0, prompt_len=16, max_tokens=2,
+                                        concurrency=2)))
+    assert doc["settings"]["rate"] == "inf" and doc["summary"]["throughput_rps"] > 1
+    sends = sorted(r["sent_s"] for r in doc["requests"])
+    assert len(sends) >= 4 and all(r["error"] is None for r in doc["requests"])
+
+
+def test_bad_input_is_refused(url, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["loadtest", url, "--rate", "0", "--duration", "1"])
+    assert exited.value.code == 2
+    assert main(["loadtest", "localhost:1", "--rate", "1", "--duration", "1"]) == 2
+    assert main(["loadtest", url, "--rate", "1", "--duration", "1", "--prompt-len", "4",
+                 "--shared-prefix", "8"]) == 2
+    assert main(["loadtest", url, "--rate", "1", "--duration", "1", "--model", "other"]) == 2
+    err = capsys.readouterr().err
+    assert "--shared-prefix" in err and "does not serve 'other'" in err

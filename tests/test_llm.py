@@ -1,0 +1,118 @@
+"""`ttftc.LLM`: generate and stream on the engine thread, tenants, results, early exit, bad arguments, artifacts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ttftc
+from ttftc import zoo
+from ttftc.runtime import EngineClosedError, PrefixCache
+from tests.serve.helpers import wait_until
+
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def llm():
+    model = ttftc.LLM("tiny", buckets=None, precision="fp32", chunked_prefill=16, compile_kv_path=False,
+                      prompt_cache=PrefixCache(1 << 24, block_size=8))
+    yield model
+    model.close(drain_timeout_s=5)
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_generate_matches_the_models_own_greedy_decode(llm):
+    prompts = [ids(5, 1), ids(40, 2)]
+    results = llm.generate(prompts, max_new_tokens=6, ignore_eos=True, timeout_s=TIMEOUT_S)
+    for prompt, result in zip(prompts, results):
+        with torch.no_grad():
+            plain = llm.model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                       eos_token_id=None)[0, len(prompt):].tolist()
+        assert result.token_ids == plain and result.finish_reason == "length"
+        assert result.prompt_tokens == len(prompt) and result.ttft_s > 0 and result.queue_s >= 0
+        assert len(result.token_times) == 6 and result.text == "".join(f"<{t}>" for t in plain)
+    (single,) = llm.generate(prompts[0], max_new_tokens=6, ignore_eos=True)  # one prompt, not a list of them
+    assert single.token_ids == results[0].token_ids
+
+
+def test_a_tenant_reuses_its_own_prefixes_and_no_tenant_reuses_nothing(llm):
+    prompt = ids(33, 3)
+    assert [r.cached_tokens for r in (llm.generate(prompt)[0], llm.generate(prompt)[0])] == [0, 0]
+    first, second = (llm.generate(prompt, tenant="acme")[0] for _ in range(2))
+    assert (first.cached_tokens, second.cached_tokens) == (0, 32)
+    assert llm.generate(prompt, tenant="zeta")[0].cached_tokens == 0
+    with pytest.raises(ValueError, match="tenant must be a string"):
+        llm.generate(prompt, tenant=7)
+
+
+def test_stream_yields_as_it_goes_and_leaving_early_cancels(llm):
+    stream = llm.stream(ids(10, 4), max_new_tokens=5, ignore_eos=True, timeout_s=TIMEOUT_S)
+    deltas = list(stream)
+    assert [d.token_ids[0] for d in deltas] == stream.completion.token_ids and len(deltas) == 5
+    endless = llm.stream(ids(10, 5), max_new_tokens=3000, ignore_eos=True, timeout_s=TIMEOUT_S)
+    for n, _ in enumerate(endless):
+        if n == 2:
+            break
+    wait_until(lambda: llm.stats()["running"] == 0 and llm.stats()["kv_tokens"] == 0, what="the cancel")
+
+
+def test_bad_input_is_a_clear_error(llm):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("a text prompt")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([1, 512])
+    with pytest.raises(ValueError, match="maximum context length is 4096"):
+        llm.generate(ids(4090), max_new_tokens=10)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(ids(4), temperature=-0.5)
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        ttftc.LLM("tiny", buckets=None, chunked_prefill=0)
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        ttftc.LLM("nope")
+
+
+def test_close_drains_then_refuses_new_work():
+    llm = ttftc.LLM(zoo.build("llama"), buckets=None, precision="fp32", compile_kv_path=False)
+    stream = llm.stream([1, 2, 3, 4, 5, 6], max_new_tokens=500, ignore_eos=True, timeout_s=TIMEOUT_S)
+    tokens = iter(stream)  # held: a dropped iterator cancels its request
+    next(tokens)
+    assert llm.close(drain_timeout_s=0.01) == 1  # a long stream is cut off at the drain timeout
+    with pytest.raises(EngineClosedError):
+        llm.generate([1, 2, 3])
+
+
+def test_an_artifact_serves_prefill_and_its_recorded_model_decodes(tmp_path):
+    from ttftc.aot.build import build_artifact
+
+    directory = build_artifact("tiny", tmp_path / "artifact", ttftc.Config(buckets=(32,)), batch_sizes=(1,))
+    eager = ttftc.LLM("tiny", buckets=None, precision="fp32", prompt_cache=False, compile_kv_path=False)
+    served = ttftc.LLM(str(directory), precision="fp32", prompt_cache=False, compile_kv_path=False)
+    try:
+        assert served.engine.prefill_model is not None and served.name == "artifact"
+        prompt = ids(20, 7)
+        (a,) = served.generate(prompt, max_new_tokens=6, ignore_eos=True, timeout_s=TIMEOUT_S)
+        (b,) = eager.generate(prompt, max_new_tokens=6, ignore_eos=True, timeout_s=TIMEOUT_S)
+        assert a.token_ids == b.token_ids
+    finally:
+        served.close(5)
+        eager.close(5)
+
+
+def test_the_compiled_kv_path_decodes_and_continues_like_the_eager_model():
+    llm = ttftc.LLM("tiny", buckets=None, precision="fp32", chunked_prefill=16)  # compile_kv_path=True: default
+    try:
+        prompts = [ids(1, 8), ids(40, 9)]  # a one-token prompt; a prompt in three chunks
+        results = llm.generate(prompts, max_new_tokens=5, ignore_eos=True, tenant="t", timeout_s=TIMEOUT_S)
+        (warm,) = llm.generate(prompts[1], max_new_tokens=5, ignore_eos=True, tenant="t", timeout_s=TIMEOUT_S)
+        assert warm.cached_tokens == 32 and warm.token_ids == results[1].token_ids  # continued from cached KV
+        for prompt, result in zip(prompts, results):
+            with torch.no_grad():
+                plain = llm.model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                                           eos_token_id=None)[0, len(prompt):].tolist()
+            assert result.token_ids == plain
+    finally:
+        llm.close(5)

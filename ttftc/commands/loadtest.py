@@ -1,0 +1,109 @@
+"""`ttftc loadtest URL`: Poisson arrivals of streamed completions through the `openai` client; TTFT p50/p95/p99,
+inter-token latency, throughput and goodput under a TTFT SLO, as JSON, Markdown and a plot."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ttftc.commands.bench import _non_negative, _positive
+
+
+def _rate(text: str) -> float:
+    if text.strip().lower() in ("inf", "max"):
+        return math.inf
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"--rate {text!r}: requests per second (> 0), or inf for a closed loop")
+    return value
+
+
+def seconds(text: str, *, allow_zero: bool = False) -> float:
+    """A finite number of seconds (or milliseconds): positive, or >= 0 with allow_zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value >= 0 if allow_zero else value > 0) or value == math.inf:
+        raise argparse.ArgumentTypeError(f"expected a {'non-negative' if allow_zero else 'positive'} number, "
+                                         f"got {text!r}")
+    return value
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"--header {text!r}: expected NAME:VALUE, e.g. X-Tenant:acme")
+    return name.strip(), value.strip()
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "loadtest",
+        help="load an OpenAI-compatible server with Poisson arrivals and report TTFT percentiles and goodput",
+        description="Send streamed completions to URL (e.g. http://127.0.0.1:8000) as a Poisson process through "
+        "the openai client, and report TTFT p50/p95/p99 (from each request's scheduled arrival to its first "
+        "token), inter-token latency, throughput and goodput under --slo-ttft-ms.",
+    )
+    p.add_argument("url", metavar="URL", help="the server's base URL, without /v1")
+    p.add_argument("--rate", type=_rate, required=True, help="requests per second, or inf (closed loop: capacity)")
+    p.add_argument("--duration", type=seconds, required=True, help="seconds of arrivals")
+    p.add_argument("--prompt-len", type=_positive, default=128, help="prompt tokens per request (default 128)")
+    p.add_argument("--shared-prefix", type=_non_negative, default=0,
+                   help="leading prompt tokens every request shares (default 0)")
+    p.add_argument("--max-tokens", type=_positive, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--concurrency", type=_positive, default=64,
+                   help="requests in flight at most (closed loop: the number of clients; default 64)")
+    p.add_argument("--long-prompt-len", type=_non_negative, default=0,
+                   help="also send one prompt of this many tokens right after the first (default 0: none)")
+    p.add_argument("--slo-ttft-ms", type=seconds, default=700.0, help="the TTFT SLO of goodput (default 700)")
+    p.add_argument("--model", help="model name (default: the first the server lists)")
+    p.add_argument("--header", type=_header, action="append", default=[], metavar="NAME:VALUE",
+                   help="an HTTP header for every request, e.g. X-Tenant:acme (repeatable)")
+    p.add_argument("--seed", type=_non_negative, default=0, help="seed of arrivals and prompts (default 0)")
+    p.add_argument("--request-timeout", type=seconds, default=300.0, help="seconds per request (default 300)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--md", metavar="PATH", help="write the report as Markdown")
+    p.add_argument("--plot", metavar="PATH.png", help="write TTFT over time and the latency CDF as a PNG")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import asyncio
+    import sys
+
+    from ttftc.commands import UsageError
+    from ttftc.serve import loadtest_report as report
+    from ttftc.serve.loadtest import LoadSpec, run_load
+
+    if args.plot:
+        from ttftc.bench.report import plot_available
+
+        if not args.plot.lower().endswith(".png"):
+            raise UsageError(f"--plot {args.plot!r}: the plot is a PNG, give a path ending in .png")
+        missing = plot_available()
+        if missing:
+            raise UsageError(missing)
+    if not args.url.startswith(("http://", "https://")):
+        raise UsageError(f"URL {args.url!r} must start with http:// or https://")
+    try:
+        spec = LoadSpec(url=args.url, rate=args.rate, duration_s=args.duration, prompt_len=args.prompt_len,
+                        shared_prefix=args.shared_prefix, max_tokens=args.max_tokens, concurrency=args.concurrency,
+                        slo_ttft_ms=args.slo_ttft_ms, long_prompt_len=args.long_prompt_len, model=args.model,
+                        headers=tuple(args.header), seed=args.seed, request_timeout_s=args.request_timeout)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        doc = asyncio.run(run_load(spec))
+    except Exception as exc:  # the server is down, or lists no such model
+        raise UsageError(f"{args.url}: {type(exc).__name__}: {exc}") from None
+    print("\n".join(report.summary_lines(doc)))
+    outputs = ((args.json, report.write_json), (args.md, report.write_markdown), (args.plot, report.write_plot))
+    for path, write in outputs:
+        if path:
+            write(doc, path)
+            print(f"wrote {path}", file=sys.stderr)
+    return 0 if doc["summary"]["completed"] else 1

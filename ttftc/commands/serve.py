@@ -1,0 +1,106 @@
+"""`ttftc serve MODEL_OR_ARTIFACT`: an OpenAI-compatible streaming server (ttftc/serve/) on a `ttftc.LLM`."""
+
+from __future__ import annotations
+
+import argparse
+
+from ttftc.commands.bench import _positive
+from ttftc.commands.loadtest import seconds
+
+
+NO_BUCKETS = "none"
+DEFAULT_BUCKETS_TEXT = "32,64,128,256,512,1024,2048"  # ttftc.llm.SERVING_BUCKETS, not imported: --help stays quick
+
+
+def _buckets(text: str):
+    if text.strip().lower() == NO_BUCKETS:
+        return NO_BUCKETS
+    from ttftc.commands.compile import _int_list
+
+    return _int_list(text)
+
+
+def _chunk(text: str):
+    if text.strip().lower() in ("none", "0", "off"):
+        return None
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"--chunked-prefill {text!r}: a positive number of tokens, or none")
+    return int(text)
+
+
+def _non_negative_seconds(text: str) -> float:
+    return seconds(text, allow_zero=True)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over HTTP with OpenAI's completions and chat API (streaming, metrics)",
+        description="Serve MODEL_OR_ARTIFACT (a preset such as tiny or llama-135m, a local Hugging Face model "
+        "directory, or an artifact directory from `ttftc compile`) at /v1/completions, /v1/chat/completions, "
+        "/v1/models, /health and /metrics. Ctrl-C or SIGTERM drains the requests in flight, then exits.",
+    )
+    p.add_argument("model", metavar="MODEL_OR_ARTIFACT", help="preset name, model directory or artifact directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_positive, default=8000, help="port (default 8000)")
+    p.add_argument("--name", help="the model name clients send (default: the preset or directory name)")
+    p.add_argument("--artifact", metavar="DIR", help="serve prefill from this artifact; MODEL provides the decode")
+    p.add_argument("--precision", default="auto", help="precision of the compiled prefill (default auto)")
+    p.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS_TEXT, metavar="N[,N...]|none",
+                   help=f"prompt-length buckets to compile (default {DEFAULT_BUCKETS_TEXT}); none serves every "
+                   "prompt eagerly")
+    p.add_argument("--chunked-prefill", type=_chunk, default=512, metavar="N|none",
+                   help="chunk size of long prompts' prefill (default 512)")
+    p.add_argument("--no-prompt-cache", action="store_true", help="no prefix cache")
+    p.add_argument("--eager-kv-path", action="store_true",
+                   help="run decode and cached-prefix prefill eagerly instead of compiling them (starts faster)")
+    p.add_argument("--prefix-cache-mb", type=_positive, default=1024, help="prefix cache budget (default 1024)")
+    p.add_argument("--max-batch-tokens", type=_positive, default=1024,
+                   help="scheduler token budget per step; also closes the batching window (default 1024)")
+    p.add_argument("--batch-window-ms", type=_non_negative_seconds, default=2.0,
+                   help="how long a new request may wait for others to share its prefill (default 2 ms; "
+                   "0: none). It trades TTFT (each request may wait up to it) for throughput (fewer, larger "
+                   "prefill forwards)")
+    p.add_argument("--max-running", type=_positive, default=64, help="sequences in flight at once (default 64)")
+    p.add_argument("--tenant-header", metavar="NAME",
+                   help="HTTP header naming the tenant (prefix-cache namespace), e.g. X-Tenant; without it every "
+                   "request is its own tenant and no cached prefix is shared")
+    p.add_argument("--drain-timeout", type=_non_negative_seconds, default=30.0,
+                   help="seconds requests in flight may finish after Ctrl-C or SIGTERM (default 30)")
+    p.add_argument("--threads", type=_positive, help="torch intra-op threads (default: one per core)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import sys
+    import time
+
+    import torch
+
+    from ttftc.commands import UsageError
+    from ttftc.llm import LLM
+    from ttftc.serve import create_app, run_server
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    print(f"ttftc serve: loading {args.model} (compiling buckets on first start; the compile cache makes the next "
+          "start fast)", file=sys.stderr, flush=True)
+    try:
+        llm = LLM(args.model, precision=args.precision, buckets=None if args.buckets == NO_BUCKETS else args.buckets,
+                  chunked_prefill=args.chunked_prefill,
+                  prompt_cache=not args.no_prompt_cache, prefix_cache_bytes=args.prefix_cache_mb << 20,
+                  artifact=args.artifact, max_batch_tokens=args.max_batch_tokens,
+                  batch_window_ms=args.batch_window_ms, max_running=args.max_running, name=args.name,
+                  compile_kv_path=not args.eager_kv_path)
+    except (ValueError, TypeError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    for note in llm.notes:
+        print(f"ttftc serve: {note}", file=sys.stderr)
+    print(f"ttftc serve: {llm.name} ready in {time.perf_counter() - started:.1f} s on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    cut_off = run_server(create_app(llm, tenant_header=args.tenant_header), host=args.host, port=args.port,
+                         drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+    print(f"ttftc serve: stopped ({cut_off} requests cut off by the drain timeout)", file=sys.stderr)
+    return 0

@@ -1,0 +1,523 @@
+"""`ttftc.LLM`: one object that compiles a model (or loads an AOT artifact) and serves it, with the prefix cache,
+chunked prefill, and a scheduler thread that batches prefills and interleaves decodes.
+
+    llm = ttftc.LLM("llama-135m", precision="fp32")           # a preset, a model directory, or an artifact
+    [out] = llm.generate([ids], max_new_tokens=16)             # .token_ids .text .ttft_s .cached_tokens
+    for delta in llm.stream(ids, max_new_tokens=16):           # .token_ids .text, as they are produced
+        ...
+    llm.close()
+
+How a prompt runs. A cold prompt (nothing cached) that fits a bucket runs in the bucketed graph ttftc compiled
+for that length (or the artifact's graph), batched with other cold prompts of the same bucket that the
+scheduler admitted in the same step. A prompt whose prefix is cached prefills only its new tokens, and a long
+prompt's chunks after the first run on the KV path, which also decodes: the model with its KV cache, compiled by
+ttftc with dynamic shapes (`compile_kv_path=True`; on a 2-core CPU, llama-135m decodes in 21 ms instead of 29 ms
+eager and extends 1536 cached tokens by 512 in 0.51 s instead of 0.75 s) or eager. (A bucketed graph cannot
+continue from earlier KV: its input is the whole prompt.)
+
+Tenants. With a prefix cache, `tenant` names the namespace whose cached prefixes a request may reuse; requests
+of different tenants share nothing. It must come from the host's notion of identity (`ttftc serve` takes it
+from an operator-named header), never from the request body: prompt-cache timing is a side channel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Hashable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from ttftc.text import OutputText, PromptCodec, load_tokenizer
+from ttftc.text import Delta as Delta  # re-exported: what stream() yields
+
+# Bucket table for serving: short chat turns to long documents, each bucket at most 2x its shortest prompt.
+SERVING_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+_FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "cancelled", "error": "error"}
+
+Prompt = Union[str, Sequence[int]]
+
+
+class ParamError(ValueError):
+    """A generation parameter is out of range; `param` names it (OpenAI's error field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """How one request generates. temperature 0 is greedy; stop strings need a tokenizer."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ParamError("max_tokens", f"max_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise ParamError("temperature", f"temperature must be a number in [0, 2], got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ParamError("top_p", f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ParamError("top_k", f"top_k must be a positive integer or null, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ParamError("seed", f"seed must be an integer or null, got {self.seed!r}")
+        if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):
+            raise ParamError("stop", "stop must be a non-empty string or a list of up to 4 non-empty strings")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise ParamError("stop_token_ids", "stop_token_ids must be a list of integer token ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise ParamError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    def sampling(self):
+        from ttftc.runtime.sampling import Sampling
+
+        seed = self.seed
+        if self.temperature > 0 and seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())  # an explicit seed keeps each request's draws its own
+        return Sampling(temperature=float(self.temperature), top_k=self.top_k, seed=seed, top_p=float(self.top_p))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+@dataclass
+class Completion:
+    """One finished request. Times are in seconds; `ttft_s` counts from the call (queueing included)."""
+
+    request_id: Hashable
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "length", "stop", "cancelled" or "error"
+    ttft_s: Optional[float]
+    cached_tokens: int
+    queue_s: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)  # engine clock, one per token
+    error: Optional[str] = None
+
+
+class RequestOutput:
+    """One request's events turned into deltas of ids and text (stop strings applied), and its Completion.
+
+    Used on whichever thread consumes the events (the caller of `generate`, or an HTTP server's event loop).
+    """
+
+    def __init__(self, llm: "LLM", request_id: Hashable, prompt_tokens: int, params: GenerationParams):
+        self.llm = llm
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.params = params
+        self._text = OutputText(llm.codec, params.stop)
+        self._silent = set(params.stop_token_ids)
+        if not params.ignore_eos and llm.eos_token_id is not None:
+            self._silent.add(llm.eos_token_id)
+        self.token_ids: list[int] = []
+        self.finish_reason: Optional[str] = None
+        self.record = None
+        self.error: Optional[str] = None
+
+    @property
+    def done(self) -> bool:
+        return self.record is not None
+
+    def on_event(self, event) -> Optional[Delta]:
+        from ttftc.runtime.engine_loop import EndEvent
+
+        if isinstance(event, EndEvent):
+            self.record = event.record
+            self.error = event.error
+            if self.finish_reason is None:
+                self.finish_reason = _FINISH_REASONS.get(event.reason, event.reason)
+            tail = self._text.finish()
+            return Delta([], tail) if tail else None
+        if self.finish_reason is not None:
+            return None  # tokens the engine made before it heard of a stop string
+        self.token_ids.append(event.token)
+        if event.token in self._silent:  # a stop token ends the text; it is not part of it
+            return Delta([event.token], "")
+        delta = self._text.push(event.token)
+        if self._text.stopped:
+            self.finish_reason = "stop"
+            self.llm.cancel(self.request_id)
+        return delta
+
+    def completion(self) -> Completion:
+        record = self.record
+        return Completion(
+            request_id=self.request_id,
+            prompt_tokens=self.prompt_tokens,
+            token_ids=list(self.token_ids),
+            text=self._text.text,
+            finish_reason=self.finish_reason or "error",
+            ttft_s=record.ttft if record is not None else None,
+            cached_tokens=record.cached_tokens if record is not None else 0,
+            queue_s=record.queue_time if record is not None else None,
+            token_times=list(record.token_times[:len(self.token_ids)]) if record is not None else [],
+            error=self.error,
+        )
+
+
+class TokenStream:
+    """What `LLM.stream` returns: iterate for Deltas; `completion` once it ended; `close()` cancels it."""
+
+    def __init__(self, llm: "LLM", output: RequestOutput, events: "queue.Queue", timeout_s: Optional[float]):
+        self._llm = llm
+        self._output = output
+        self._events = events
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            while not self._output.done:
+                delta = self._output.on_event(self._llm._next_event(self._events, self._deadline))
+                if delta is not None and (delta.token_ids or delta.text):
+                    yield delta
+        finally:
+            if not self._output.done:
+                self.close()
+
+    @property
+    def completion(self) -> Optional[Completion]:
+        return self._output.completion() if self._output.done else None
+
+    def close(self) -> None:
+        self._llm.cancel(self._output.request_id)
+
+
+class LLM:
+    """See the module docstring. Arguments:
+
+    model_or_path:   a transformers causal LM, a zoo preset name, a local model directory, or an artifact directory
+                     (one written by `ttftc compile ... -o DIR`).
+    precision:       the ttftc Config precision of the compiled prefill graphs ("auto", "fp32", "bf16", "int8").
+    buckets:         prompt-length buckets to compile; None serves everything on the KV path (eager, no compile).
+    prompt_cache:    True (a PrefixCache of `prefix_cache_bytes`), a PrefixCache of your own, or False.
+    chunked_prefill: chunk size for long prompts, or None to prefill each prompt whole.
+    artifact:        an artifact directory to serve prefill from (instead of compiling); the model it records
+                     (or `model_or_path`) provides the decode.
+    max_batch_tokens: the scheduler's token budget per step; also closes the batching window early.
+    batch_window_ms: how long a new request may wait for others to share its prefill (see runtime/scheduler.py).
+    max_running:     sequences in flight at once; more wait for a slot.
+    prefill_batch_sizes, prefill_batch_tokens: the batch sizes of shared bucketed prefills, and the most padded
+                     tokens one may hold (on a CPU a batch of long prompts runs slower per prompt than one alone).
+    compile_kv_path: compile the KV path (decode, cached-prefix and chunk continuation) with ttftc and dynamic
+                     shapes; False keeps it eager (no compile time: tests, debugging).
+    warmup:          compile and run every graph once before serving, so no request pays for a compile.
+    """
+
+    def __init__(self, model_or_path: Union[str, Path, torch.nn.Module], *, precision: str = "auto",
+                 buckets: Optional[Sequence[int]] = SERVING_BUCKETS, prompt_cache=True,
+                 chunked_prefill: Optional[int] = 512, artifact: Optional[Union[str, Path]] = None,
+                 max_batch_tokens: int = 1024, batch_window_ms: float = 2.0, max_running: int = 64,
+                 prefill_batch_sizes: Sequence[int] = (1, 2, 4, 8), prefill_batch_tokens: int = 512,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, tokenizer: Any = None,
+                 name: Optional[str] = None, compile_kv_path: bool = True, warmup: bool = True):
+        from ttftc.runtime.engine import PrefillEngine
+        from ttftc.runtime.engine_loop import EngineLoop
+        from ttftc.runtime.scheduler import StepScheduler
+
+        if not isinstance(precision, str):
+            raise ValueError(f"precision must be a string such as 'auto', 'fp32' or 'bf16', got {precision!r}")
+        if chunked_prefill is not None and (not _is_int(chunked_prefill) or chunked_prefill < 1):
+            raise ValueError(
+                f"chunked_prefill must be a positive int (tokens per chunk) or None, got {chunked_prefill!r}")
+        if not _is_int(max_batch_tokens) or max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
+        if not _is_number(batch_window_ms) or not 0 <= batch_window_ms < 60_000:
+            raise ValueError(f"batch_window_ms must be a number in [0, 60000), got {batch_window_ms!r}")
+        if not _is_int(prefill_batch_tokens) or prefill_batch_tokens < 1:
+            raise ValueError(f"prefill_batch_tokens must be a positive int, got {prefill_batch_tokens!r}")
+
+        source = _ModelSource.resolve(model_or_path, artifact)
+        self.name = name or source.name
+        self.model = source.model
+        self.codec = PromptCodec(tokenizer if tokenizer is not None else source.tokenizer)
+        self.notes: list[str] = []
+        prefill_model, batch_sizes = self._prefill_model(source, precision, buckets, prefill_batch_sizes)
+        cache = self._prefix_cache(prompt_cache, prefix_cache_bytes)
+        kv_model = self._kv_model(precision) if compile_kv_path else self.model
+        self.engine = PrefillEngine(kv_model, prefix_cache=cache, chunk_size=chunked_prefill,
+                                    prefill_model=prefill_model, prefill_batch_sizes=batch_sizes,
+                                    prefill_batch_tokens=prefill_batch_tokens)
+        self.scheduler = StepScheduler(self.engine, max_batch_tokens, chunk_size=chunked_prefill,
+                                       batch_window_s=batch_window_ms / 1000.0, max_running=max_running)
+        self.eos_token_id = self.codec.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = _config_eos(self.model)
+        if warmup:
+            self._warm_up()
+        self.loop = EngineLoop(self.scheduler).start()
+        self._ids = itertools.count()
+
+    # ---- construction ----------------------------------------------------------------------------------------------
+
+    def _prefill_model(self, source: "_ModelSource", precision: str, buckets, batch_sizes):
+        if source.artifact is not None:
+            from ttftc.aot.build import load
+
+            prefill = load(source.artifact)
+            signatures = prefill.source.specs  # the graphs the artifact holds, by signature
+            usable = sorted({s.batch for s in signatures if s.logits == "last" and s.kv})
+            if 1 not in usable:
+                raise ValueError(
+                    f"artifact {source.artifact} has no batch-1 graph with KV and last-token logits, which serving "
+                    "needs; rebuild it with `ttftc compile MODEL --logits last --batch 1 ...` (without --no-kv)"
+                )
+            return prefill, tuple(b for b in usable if b in set(batch_sizes) | {1})
+        if buckets is None:
+            self.notes.append("no buckets: every prefill runs on the KV path (eager)")
+            return None, (1,)
+        from ttftc.api import compile as ttftc_compile
+        from ttftc.config import Config
+
+        prefill = ttftc_compile(self.model, Config(buckets=tuple(buckets), precision=precision))
+        if not prefill.plan.safe:
+            self.notes.append(f"buckets not used: {prefill.plan.reason}")
+            return None, (1,)
+        return prefill, tuple(batch_sizes)
+
+    def _kv_model(self, precision: str):
+        from ttftc.config import Config
+        from ttftc.dynamo_backend import TtftcBackend
+
+        # Dynamic from the first call: prompt and KV lengths vary on every call of this path.
+        return torch.compile(self.model, backend=TtftcBackend(Config(precision=precision)), dynamic=True)
+
+    def _prefix_cache(self, prompt_cache, budget_bytes: int):
+        from ttftc.runtime.prefix_cache import PrefixCache
+
+        if isinstance(prompt_cache, PrefixCache):
+            return prompt_cache
+        if prompt_cache is True:
+            return PrefixCache(budget_bytes=budget_bytes)
+        if prompt_cache in (False, None):
+            return None
+        raise ValueError(f"prompt_cache must be True, False or a ttftc.runtime.PrefixCache, got {prompt_cache!r}")
+
+    def _warm_up(self) -> None:
+        """Compile (or load) every graph serving can use and run each once, so no request pays for it."""
+        engine = self.engine
+        vocab = engine.geometry.vocab_size
+        prefill = engine.prefill_model
+        try:
+            for bucket in prefill.buckets if prefill is not None else ():
+                for batch in engine.batch_sizes_for(bucket):
+                    ids = torch.randint(0, vocab, (batch, bucket), generator=torch.Generator().manual_seed(bucket))
+                    prefill(ids, logits_to_keep=1, use_cache=True)
+        except Exception as exc:  # serve on the KV path rather than not at all, and say so
+            note = f"bucketed prefill disabled, every prompt runs on the KV path: {type(exc).__name__}: {exc}"
+            self.notes.append(note)
+            warnings.warn(f"ttftc.LLM: {note}", stacklevel=3)
+            engine.prefill_model = None
+        # The KV path: a cold prefill, one continuing from KV (a cached prefix, a later chunk), and decodes; also a
+        # one-token prompt and its decode, because a compiled model specialises sizes of 1 into graphs of their own.
+        for first_stretch, length in ((13, 24), (None, 1)):
+            job = engine.start([t % vocab for t in range(3, 3 + length)])
+            if first_stretch is not None:
+                job.advance(first_stretch)
+            first = job.advance()
+            try:
+                token = first.token
+                for _ in range(2):
+                    token, _ = engine.decode_step(first.kv, token)
+            finally:
+                first.kv.release()
+
+    # ---- requests ----------------------------------------------------------------------------------------------------
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        return self.engine.geometry.max_positions
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt (through the tokenizer) or of a list of ids, checked against the vocabulary."""
+        return self.engine.validate(self.codec.encode(prompt))
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        return self.engine.validate(self.codec.encode_chat(messages))
+
+    def check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        limit = self.max_positions
+        if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+            raise ParamError(
+                "max_tokens",
+                f"this model's maximum context length is {limit} tokens; the request asks for "
+                f"{len(prompt_ids) + max_new_tokens} ({len(prompt_ids)} in the prompt, {max_new_tokens} to "
+                "generate): shorten the prompt or lower max_tokens",
+            )
+
+    def open(self, prompt_ids: Sequence[int], params: GenerationParams, sink, *, tenant: Optional[str] = None,
+             arrived_at: Optional[float] = None) -> RequestOutput:
+        """Submit one request whose events go to `sink` (called on the engine thread); feed those events to the
+        returned RequestOutput on your own thread. `arrived_at` is on `time.perf_counter`'s clock."""
+        from ttftc.runtime.scheduler import Request
+
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string or None, got {type(tenant).__name__}")
+        ids = self.engine.validate(prompt_ids)
+        self.check_length(ids, params.max_new_tokens)
+        request = Request(ids, max_new_tokens=params.max_new_tokens, tenant=tenant, sampling=params.sampling(),
+                          eos_token_id=None if params.ignore_eos else self.eos_token_id,
+                          request_id=f"{self.name}-{next(self._ids)}", stop_token_ids=params.stop_token_ids)
+        output = RequestOutput(self, request.request_id, len(ids), params)
+        self.loop.submit(request, sink, arrived_at=arrived_at)
+        return output
+
+    def cancel(self, request_id: Hashable) -> None:
+        self.loop.cancel(request_id)
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], *, max_new_tokens: int = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: Optional[int] = None, seed: Optional[int] = None,
+                 stop: Union[str, Sequence[str]] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                 tenant: Optional[str] = None, timeout_s: Optional[float] = None) -> list[Completion]:
+        """Run every prompt (text or token ids) to completion, all submitted at once so the scheduler can batch
+        them; one Completion per prompt, in order."""
+        params = GenerationParams(max_new_tokens, temperature, top_p, top_k, seed, stop, tuple(stop_token_ids),
+                                  ignore_eos)
+        batch = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        events: queue.Queue = queue.Queue()
+        started = time.perf_counter()
+        outputs = {}
+        try:
+            for prompt in batch:
+                output = self.open(self.encode(prompt), params, events.put, tenant=tenant, arrived_at=started)
+                outputs[output.request_id] = output
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while not all(o.done for o in outputs.values()):
+                event = self._next_event(events, deadline)
+                outputs[event.request_id].on_event(event)
+        finally:
+            for output in outputs.values():
+                if not output.done:
+                    self.cancel(output.request_id)
+        return [o.completion() for o in outputs.values()]
+
+    def stream(self, prompt: Prompt, *, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: Optional[int] = None, seed: Optional[int] = None, stop: Union[str, Sequence[str]] = (),
+               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, tenant: Optional[str] = None,
+               timeout_s: Optional[float] = None) -> TokenStream:
+        """An iterator of Deltas for one prompt, as the tokens are produced; leaving the loop early cancels it."""
+        params = GenerationParams(max_new_tokens, temperature, top_p, top_k, seed, stop, tuple(stop_token_ids),
+                                  ignore_eos)
+        events: queue.Queue = queue.Queue()
+        output = self.open(self.encode(prompt), params, events.put, tenant=tenant)
+        return TokenStream(self, output, events, timeout_s)
+
+    @staticmethod
+    def _next_event(events: "queue.Queue", deadline: Optional[float]):
+        try:
+            return events.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError("the request did not finish in time") from None
+
+    # ---- state and lifetime ------------------------------------------------------------------------------------------
+
+    @property
+    def prefix_cache(self):
+        return self.engine.prefix_cache
+
+    def stats(self) -> dict:
+        cache = self.prefix_cache
+        return {
+            "running": self.loop.running,
+            "waiting": self.loop.waiting,
+            "kv_tokens": self.loop.kv_tokens,
+            "prefix_cache_bytes": cache.stats().bytes_held if cache is not None else 0,
+        }
+
+    def close(self, drain_timeout_s: float = 30.0) -> int:
+        """Finish the requests in flight (up to `drain_timeout_s`), cancel the rest, stop the engine thread.
+        Returns how many were cancelled."""
+        return self.loop.close(drain_timeout_s)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_single_prompt(prompts) -> bool:
+    return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
+                                        and all(_is_int(t) for t in prompts))
+
+
+def _config_eos(model: torch.nn.Module) -> Optional[int]:
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(config, "eos_token_id", None)
+        if isinstance(eos, int):
+            return eos
+        if isinstance(eos, (list, tuple)) and eos:
+            return int(eos[0])
+    return None
+
+
+@dataclass
+class _ModelSource:
+    """Where the weights come from: the eager model (KV path), its tokenizer, and an artifact directory if any."""
+
+    model: torch.nn.Module
+    name: str
+    tokenizer: Any = None
+    artifact: Optional[Path] = None
+
+    @classmethod
+    def resolve(cls, model_or_path, artifact) -> "_ModelSource":
+        from ttftc.aot.artifact import MANIFEST, read_manifest
+
+        if artifact is None and isinstance(model_or_path, (str, Path)) and (Path(model_or_path) / MANIFEST).is_file():
+            artifact, model_or_path = model_or_path, None
+        if artifact is not None:
+            artifact = Path(artifact)
+            if model_or_path is None:
+                recorded = (read_manifest(artifact).get("source") or {}).get("model")
+                if not recorded:
+                    raise ValueError(
+                        f"artifact {artifact} does not record its source model, which serving needs for decoding; "
+                        "pass the model too: LLM(model, artifact=...) or `ttftc serve MODEL --artifact DIR`"
+                    )
+                model_or_path = recorded
+            source = cls.resolve(model_or_path, None)
+            source.artifact = artifact
+            source.name = artifact.name
+            return source
+        if isinstance(model_or_path, torch.nn.Module):
+            if getattr(model_or_path, "config", None) is None:
+                raise TypeError("LLM needs a transformers causal LM (a module with a .config)")
+            return cls(model_or_path.eval(), type(model_or_path).__name__)
+        if not isinstance(model_or_path, (str, Path)):
+            raise TypeError(f"LLM takes a model, a preset name or a directory, got {type(model_or_path).__name__}")
+        from ttftc.bench.errors import BenchInputError
+        from ttftc.bench.models import load_model, resolve_model
+
+        try:
+            spec = resolve_model(str(model_or_path))
+        except BenchInputError as exc:
+            raise ValueError(str(exc)) from None
+        model = load_model(spec)
+        if spec.is_preset:
+            return cls(model, spec.name)
+        return cls(model, Path(spec.directory).name, load_tokenizer(spec.directory))

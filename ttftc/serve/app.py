@@ -1,0 +1,229 @@
+"""The FastAPI app: OpenAI's completions and chat endpoints over a `ttftc.LLM`, plus models, health and metrics.
+
+    app = create_app(llm, tenant_header="X-Tenant")
+
+Each request is validated in full before anything is queued, so a bad one gets its 400 (OpenAI's error shape)
+and costs the engine nothing. The prompt then goes to the LLM's engine thread; its tokens come back to this
+event loop through `call_soon_threadsafe` and leave as server-sent events. A client that disconnects has its
+request cancelled, which frees its KV and its slot.
+
+The tenant (the prefix-cache namespace) comes only from the header the operator named; without one configured,
+or without the header on a request, the request has no tenant, and with a prefix cache attached a request without
+a tenant shares no cached prefix with any other request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ttftc.llm import LLM, ParamError, RequestOutput
+from ttftc.runtime.engine_loop import EngineClosedError, TokenEvent
+from ttftc.serve import sse
+from ttftc.serve.errors import APIError, bad_request, error_body
+from ttftc.serve.metrics import CONTENT_TYPE, ServerMetrics
+from ttftc.serve.protocol import GenerationRequest, parse_chat, parse_completion
+from ttftc.text import NoTokenizerError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+# How often a non-streaming request checks that its client is still there.
+_DISCONNECT_POLL_S = 0.25
+
+
+def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Optional[str] = None) -> FastAPI:
+    app = FastAPI(title="ttftc", docs_url=None, redoc_url=None, openapi_url=None)
+    served = _Served(llm, model_name or llm.name, tenant_header)
+    app.state.served = served
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        served.metrics.errors.labels(str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        served.metrics.errors.labels(str(exc.status_code)).inc()
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", type=kind),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        served.metrics.errors.labels("500").inc()
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type="server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if served.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [served.model_card()]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await served.handle(request, parse_completion, lambda parsed: llm.encode(parsed.prompt), "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await served.handle(request, parse_chat, lambda parsed: llm.encode_chat(parsed.messages), "messages")
+
+    return app
+
+
+async def _json(request: Request):
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+class _Served:
+    """What the endpoints share: the LLM, its name, the tenant header, the metrics, the draining flag."""
+
+    def __init__(self, llm: LLM, name: str, tenant_header: Optional[str]):
+        self.llm = llm
+        self.name = name
+        self.tenant_header = tenant_header
+        self.draining = False
+        self.created = int(time.time())
+        cache = llm.prefix_cache
+        self.metrics = ServerMetrics(
+            running=lambda: llm.loop.running, waiting=lambda: llm.loop.waiting, kv_tokens=lambda: llm.loop.kv_tokens,
+            prefix_cache_bytes=(lambda: cache.stats().bytes_held) if cache is not None else (lambda: 0))
+
+    def model_card(self) -> dict:
+        geometry = self.llm.engine.geometry
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "ttftc",
+                "max_model_len": geometry.max_positions, "vocab_size": geometry.vocab_size,
+                "has_tokenizer": self.llm.codec.tokenizer is not None}
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            raise bad_request(f"the model {model!r} does not exist; this server serves {self.name!r}",
+                              param="model", code="model_not_found")
+
+    async def handle(self, request: Request, parse, encode, param: str):
+        """Parse and check the whole request (a 400 for anything wrong), then generate."""
+        arrived = time.perf_counter()
+        parsed = parse(await _json(request))
+        self.check_model(parsed.model)
+        try:
+            ids = encode(parsed)
+        except NoTokenizerError as exc:
+            raise bad_request(str(exc), param=param, code="no_tokenizer") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param) from None
+        return await self.respond(request, parsed, ids, arrived)
+
+    def tenant(self, request: Request) -> Optional[str]:
+        if self.tenant_header is None:
+            return None
+        value = request.headers.get(self.tenant_header)
+        return value if value else None
+
+    async def respond(self, request: Request, parsed: GenerationRequest, ids: list[int], arrived: float):
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="draining")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(event) -> None:  # engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (server stopped): nobody is listening
+                pass
+
+        try:
+            output = self.llm.open(ids, parsed.params, sink, tenant=self.tenant(request), arrived_at=arrived)
+        except ParamError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
+        except EngineClosedError:
+            raise APIError(503, "the server is shutting down", type="server_error", code="draining") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), param="prompt") from None
+        shape = sse.ResponseShape(parsed.kind, self.name)
+        if parsed.stream:
+            return StreamingResponse(self._stream(output, events, shape, parsed.include_usage, arrived),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._whole(request, output, events, shape, arrived)
+
+    async def _stream(self, output: RequestOutput, events: asyncio.Queue, shape: sse.ResponseShape,
+                      include_usage: bool, arrived: float):
+        last_sent = None
+        try:
+            while not output.done:
+                event = await events.get()
+                delta = output.on_event(event)
+                if delta is None or not (delta.token_ids or delta.text):
+                    continue
+                yield sse.event(shape.chunk(delta.text, delta.token_ids))
+                if isinstance(event, TokenEvent):
+                    last_sent = self._observe_token(arrived, last_sent)
+            completion = output.completion()
+            if completion.finish_reason == "error":
+                yield sse.event(error_body(f"generation failed: {completion.error}", type="server_error"))
+            else:
+                yield sse.event(shape.chunk("", [], completion.finish_reason))
+                if include_usage:
+                    yield sse.event(shape.usage_chunk(completion))
+            yield sse.DONE
+        finally:
+            self._close(output)
+
+    async def _whole(self, request: Request, output: RequestOutput, events: asyncio.Queue,
+                     shape: sse.ResponseShape, arrived: float):
+        last_seen = None
+        try:
+            while not output.done:
+                try:
+                    event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                output.on_event(event)
+                if isinstance(event, TokenEvent):
+                    last_seen = self._observe_token(arrived, last_seen)
+        finally:
+            self._close(output)
+        completion = output.completion()
+        if completion.finish_reason == "error":
+            raise APIError(500, f"generation failed: {completion.error}", type="server_error")
+        return JSONResponse(shape.whole(completion))
+
+    def _observe_token(self, arrived: float, last: Optional[float]) -> float:
+        now = time.perf_counter()
+        if last is None:
+            self.metrics.ttft.observe(now - arrived)
+        else:
+            self.metrics.itl.observe(now - last)
+        return now
+
+    def _close(self, output: RequestOutput) -> None:
+        """Runs however the response ended; a request the client left is cancelled, freeing its KV and slot."""
+        if not output.done:
+            self.llm.cancel(output.request_id)
+            self.metrics.requests.labels("disconnected").inc()
+            return
+        self.metrics.finished(output.completion())

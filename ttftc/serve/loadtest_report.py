@@ -1,0 +1,111 @@
+"""The loadtest's outputs: terminal lines, the JSON document, a Markdown report, and a plot of TTFT over the run
+next to the latency CDFs."""
+
+from __future__ import annotations
+
+import io
+
+from ttftc.bench.report import _write_atomically as write_atomically
+from ttftc.bench.report import write_json  # noqa: F401 (re-exported: the JSON output is the document as is)
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _rate(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def summary_lines(doc: dict) -> list[str]:
+    s, cfg = doc["summary"], doc["settings"]
+    t, i = s["ttft_ms"], s["itl_ms"]
+    attained = "-" if s["slo_attainment"] is None else f"{s['slo_attainment']:.0%}"
+    lines = [
+        f"model {doc['model']}: rate {cfg['rate']}/s for {cfg['duration_s']} s, prompts {cfg['prompt_len']} tokens "
+        f"({cfg['shared_prefix']} shared), {cfg['max_tokens']} generated, concurrency {cfg['concurrency']}",
+        f"requests {s['requests']}, completed {s['completed']}, errors {s['errors']}",
+        f"TTFT ms      p50 {_ms(t['p50'])}  p95 {_ms(t['p95'])}  p99 {_ms(t['p99'])}  mean {_ms(t['mean'])}",
+        f"ITL ms       p50 {_ms(i['p50'])}  p95 {_ms(i['p95'])}  p99 {_ms(i['p99'])}",
+        f"throughput   {_rate(s['throughput_rps'])} req/s, {_rate(s['output_tokens_per_s'])} tokens/s",
+        f"goodput      {_rate(s['goodput_rps'])} req/s within TTFT <= {cfg['slo_ttft_ms']:.0f} ms "
+        f"({attained} of requests)",
+    ]
+    for long in doc["long"]:
+        lines.append(f"long prompt  {long['prompt_tokens']} tokens: TTFT {_ms(long['ttft_ms'])} ms"
+                     + (f" ({long['error']})" if long["error"] else ""))
+    for error in doc["first_errors"]:
+        lines.append(f"error: {error}")
+    return lines
+
+
+def markdown(doc: dict) -> str:
+    s, cfg = doc["summary"], doc["settings"]
+    rows = [("TTFT", s["ttft_ms"]), ("inter-token latency", s["itl_ms"]), ("end to end", s["e2e_ms"])]
+    out = [
+        f"# ttftc loadtest: {doc['model']}",
+        "",
+        f"- target {cfg['url']}, created {doc['created']}",
+        f"- Poisson rate {cfg['rate']}/s for {cfg['duration_s']} s (inf: closed loop), "
+        f"concurrency {cfg['concurrency']}",
+        f"- prompts of {cfg['prompt_len']} tokens ({cfg['shared_prefix']} shared), {cfg['max_tokens']} tokens "
+        f"generated each" + (f", one {cfg['long_prompt_len']}-token prompt" if cfg["long_prompt_len"] else ""),
+        f"- requests {s['requests']}, completed {s['completed']}, errors {s['errors']}",
+        f"- throughput {_rate(s['throughput_rps'])} req/s, {_rate(s['output_tokens_per_s'])} tokens/s; goodput "
+        f"{_rate(s['goodput_rps'])} req/s under TTFT <= {cfg['slo_ttft_ms']:.0f} ms",
+        "",
+        "| latency (ms) | n | p50 | p95 | p99 | mean | max |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, st in rows:
+        out.append(f"| {name} | {st['n']} | {_ms(st['p50'])} | {_ms(st['p95'])} | {_ms(st['p99'])} | "
+                   f"{_ms(st['mean'])} | {_ms(st['max'])} |")
+    for long in doc["long"]:
+        out.append(f"\nLong prompt ({long['prompt_tokens']} tokens): TTFT {_ms(long['ttft_ms'])} ms.")
+    return "\n".join(out) + "\n"
+
+
+def write_markdown(doc: dict, path: str) -> None:
+    write_atomically(path, markdown(doc).encode())
+
+
+def write_plot(doc: dict, path: str) -> None:
+    """Left: each request's TTFT at its arrival time (the SLO as a line). Right: CDFs of TTFT and ITL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slo = doc["settings"]["slo_ttft_ms"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for kind, marker in (("short", "o"), ("long", "s")):
+        points = [(r["scheduled_s"], r["ttft_ms"]) for r in doc["requests"] if r["kind"] == kind and r["ttft_ms"]]
+        if points:
+            left.scatter(*zip(*points), s=12 if kind == "short" else 40, marker=marker, label=f"{kind} prompts")
+    left.axhline(slo, color="red", linestyle="--", label=f"SLO {slo:.0f} ms")
+    left.set_xlabel("arrival (s from start)")
+    left.set_ylabel("TTFT (ms)")
+    left.set_title("TTFT over the run")
+    left.legend(fontsize="small")
+    left.grid(alpha=0.3)
+    done = [r for r in doc["requests"] if r["kind"] == "short" and r["ttft_ms"] is not None and r["end_s"] is not None]
+    ttfts = sorted(r["ttft_ms"] for r in done)
+    e2e = sorted((r["end_s"] - r["scheduled_s"]) * 1e3 for r in done)
+    for name, values in (("TTFT", ttfts), ("end to end", e2e)):
+        if values:
+            right.plot(values, [(k + 1) / len(values) for k in range(len(values))], label=name)
+    right.axvline(slo, color="red", linestyle="--", label=f"SLO {slo:.0f} ms")
+    right.set_xscale("log")
+    right.set_xlabel("latency (ms)")
+    right.set_ylabel("fraction of requests")
+    right.set_title("latency CDF")
+    right.legend(fontsize="small")
+    right.grid(alpha=0.3, which="both")
+    fig.suptitle(f"ttftc loadtest: {doc['model']}, rate {doc['settings']['rate']}/s")
+    fig.tight_layout()
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    write_atomically(path, png.getvalue())
