@@ -3,7 +3,10 @@
 The model is built from a config with random weights, saved with save_pretrained and loaded back from that
 local directory, as a user's own checkpoint would be. Nothing is downloaded.
 
-    python3 examples/quickstart.py [--seq 256] [--repeats 5] [--precision fp32,bf16]
+    python3 examples/quickstart.py [--seq 256] [--repeats 5] [--precision auto,int8]
+
+"auto" runs bf16 where this CPU computes it natively and fp32 elsewhere (the probe's answer is printed); "int8"
+is W8A8 with the rest as "auto".
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 import ttftc
 from ttftc import zoo
+from ttftc.capabilities import probe
 
 # llama-135m's layer shape (design.md) with half its layers: big enough that GEMMs dominate, as in real prefill.
 DEMO_MODEL = dict(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -40,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=384, help="prompt length in tokens")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--precision", default="fp32,bf16", help="ttftc precisions to compare, comma-separated")
+    parser.add_argument("--precision", default="auto,int8", help="ttftc precisions to compare, comma-separated")
     args = parser.parse_args()
     try:
         configs = {p: ttftc.Config(precision=p) for p in args.precision.split(",")}
@@ -55,6 +59,7 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"model: Llama, {params:.0f}M parameters, random weights; prompt: {args.seq} tokens; "
           f"{torch.get_num_threads()} threads")
+    print(f"device: {probe('cpu').describe()}")
 
     ids = zoo.example_ids(model, args.seq)
     variants = {"eager": model}

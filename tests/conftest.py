@@ -13,6 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Precision "auto" follows the CPU's native bf16; tests pin the answer so they decide the same on every machine
+# (tests of the policy itself mock the probe both ways). Subprocesses inherit it.
+os.environ["TTFTC_NATIVE_BF16"] = "0"
+
 # Tests never read or write the user's caches: the compile and autotune caches live in a throw-away root.
 os.environ["TTFTC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ttftc-test-cache-")
 os.environ.pop("TTFTC_COMPILE_CACHE", None)

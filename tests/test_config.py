@@ -23,6 +23,8 @@ def test_digest_changes_with_every_field():
         base.replace(quant_skip=()),
         base.replace(on_oversize="dynamic"),
         base.replace(autotune=False),
+        base.replace(codegen="inductor"),
+        base.replace(dynamic_shapes="dynamo"),
     ]
     digests = {v.digest() for v in variants} | {base.digest()}
     assert len(digests) == len(variants) + 1

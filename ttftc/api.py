@@ -37,7 +37,8 @@ def explain(model, *args, config: Optional[Config] = None, **kwargs) -> Report:
     backend = TtftcBackend(config)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
-    with torch.no_grad():
+    # A graph Inductor loads from its cache skips the post-grad pass that would report on it.
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
         compiled(*args, **kwargs)
     report = backend.report()
     if config is not None and config.buckets is not None and isinstance(model, torch.nn.Module):

@@ -25,6 +25,9 @@ SUBCOMMANDS = (
     "ttftc.commands.bench",
     "ttftc.commands.compile",
     "ttftc.commands.explain",
+    "ttftc.commands.serve",
+    "ttftc.commands.loadtest",
+    "ttftc.commands.kernels",
 )
 
 

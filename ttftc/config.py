@@ -12,12 +12,14 @@ import json
 from dataclasses import dataclass
 from typing import Literal, Union
 
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("auto", "fp32", "bf16", "int8")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 PROVIDERS = ("auto", "reference", "triton", "cpu", "npu")
 OVERSIZE_POLICIES = ("error", "dynamic")
+CODEGENS = ("eager", "inductor")
+DYNAMIC_SHAPES = ("auto", "dynamo")
 
-Precision = Literal["fp32", "bf16", "int8"]
+Precision = Literal["auto", "fp32", "bf16", "int8"]
 
 
 def _choices(values) -> str:
@@ -29,7 +31,9 @@ class Config:
     """What to compile and how.
 
     passes:     "all", or a tuple of pass names to run (in pipeline order, whatever order they are given in).
-    precision:  "fp32" keeps the model's numerics; "bf16" runs GEMMs and attention in bf16; "int8" is W8A8.
+    precision:  "auto" runs GEMMs and attention in bf16 where the device computes bf16 natively (ttftc.capabilities)
+                and keeps fp32 elsewhere; it never quantises. "fp32" keeps the model's numerics; "bf16" runs
+                GEMMs and attention in bf16 wherever asked; "int8" is W8A8 (the rest as "auto").
     buckets:    prompt-length buckets for padding (None: no bucketing, shapes stay as Dynamo gives them).
     device:     "auto" follows the example inputs.
     provider:   "auto" picks the first capable lowering per op; any other value forces that provider wherever
@@ -38,16 +42,21 @@ class Config:
     on_oversize: a prompt longer than the largest bucket either raises ("error") or runs unpadded ("dynamic").
     autotune:   lowerings use the configs `ttftc autotune` stored in the autotune cache (True), or always their
                 defaults (False: what `ttftc bench` compares tuned against).
+    codegen:    "eager" runs the post-pass graph op by op (fast compile, no C++ toolchain, AOT artifacts);
+                "inductor" runs the same passes inside Inductor, which generates fused code for the glue between
+                ttftc ops (C++ on CPU, Triton on GPU) and calls each ttftc op's lowering as an extern kernel.
     """
 
     passes: Union[str, tuple[str, ...]] = "all"
-    precision: Precision = "fp32"
+    precision: Precision = "auto"
     buckets: tuple[int, ...] | None = None
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     provider: Literal["auto", "reference", "triton", "cpu", "npu"] = "auto"
     quant_skip: tuple[str, ...] = ("lm_head",)
     on_oversize: Literal["error", "dynamic"] = "error"
     autotune: bool = True
+    codegen: Literal["eager", "inductor"] = "eager"
+    dynamic_shapes: Literal["auto", "dynamo"] = "auto"
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and normalised to tuples so the Config stays hashable.
@@ -84,6 +93,12 @@ class Config:
         if self.on_oversize not in OVERSIZE_POLICIES:
             raise ValueError(
                 f"Unknown on_oversize {self.on_oversize!r}; valid values: {_choices(OVERSIZE_POLICIES)}."
+            )
+        if self.codegen not in CODEGENS:
+            raise ValueError(f"Unknown codegen {self.codegen!r}; valid code generators: {_choices(CODEGENS)}.")
+        if self.dynamic_shapes not in DYNAMIC_SHAPES:
+            raise ValueError(
+                f"Unknown dynamic_shapes {self.dynamic_shapes!r}; valid values: {_choices(DYNAMIC_SHAPES)}."
             )
         if not isinstance(self.autotune, bool):
             raise ValueError(f"Config.autotune must be True or False, got {self.autotune!r}.")

@@ -6,6 +6,7 @@ with the default Config; `ttftc.backend(Config(...))` gives a configured one.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -15,12 +16,12 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc.*)
-from ttftc.capture import FlatInputs, flat_inputs, freeze_weights
-from ttftc.codegen.lowering import lower_graph
+from ttftc.capture import (FlatInputs, flat_inputs, freeze_weights, is_weight, retrace_with_symbolic_lengths,
+                           weights_as_attributes)
 from ttftc.config import Config
-from ttftc.passes.graph_utils import copy_graph, op_histogram
-from ttftc.passes.manager import PassManager
-from ttftc.report import Report, graph_flops, make_report
+from ttftc.passes.graph_utils import copy_graph
+from ttftc.pipeline import run_pipeline
+from ttftc.report import Report
 
 
 def _needs_autograd(example_inputs: Sequence) -> bool:
@@ -40,6 +41,18 @@ class TtftcBackend:
         self.autotune_cache = autotune_cache
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []  # the lowered graphs, for autotune and inspection
+        # Dynamo looks this attribute up on the backend object it is given (an instance attribute, because it
+        # copies the backend's __dict__ into its wrapper, not its class).
+        self.backend_ctx_ctor = self._call_context
+
+    def _call_context(self):
+        """Entered by Dynamo around every call of the compiled model, tracing included (see
+        codegen/inductor_pass.tracing_context for why the Inductor code generator needs it)."""
+        if self.config.codegen == "inductor":
+            from ttftc.codegen.inductor_pass import tracing_context
+
+            return tracing_context()
+        return contextlib.nullcontext()
 
     def report(self) -> Report:
         merged = Report()
@@ -58,6 +71,10 @@ class TtftcBackend:
             )
             self.reports.append(Report(graphs=1, notes=["graph ran uncompiled: autograd was enabled"]))
             return gm.forward
+        if self.config.dynamic_shapes == "auto":
+            retrace_with_symbolic_lengths(example_inputs)
+        if self.config.codegen == "inductor":
+            return self._compile_inductor(gm, example_inputs)
         inputs = flat_inputs(gm, example_inputs)
 
         def inference_compiler(aten_gm: fx.GraphModule, aot_inputs: Sequence) -> Callable:
@@ -80,7 +97,34 @@ class TtftcBackend:
         run = self._compile_frozen(aten_gm, inputs, num_aot_inputs)
         if template is None or len(run.live_inputs) == num_aot_inputs:
             return run  # nothing was frozen, so nothing can go stale
-        return _WeightGuard(self, template, inputs, run)
+
+        def compile_for(args: list) -> Callable:
+            gm = fx.GraphModule(template, copy_graph(template.graph))
+            return self._compile_frozen(gm, FlatInputs(tuple(args), inputs.weight_indices), len(args))
+
+        return _WeightGuard(inputs.weight_indices, inputs.tensors, run, compile_for)
+
+    def _compile_inductor(self, dynamo_gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
+        """The Inductor code generator (codegen/inductor_pass.py), on a graph that owns the model's weights."""
+        from ttftc.codegen.inductor_pass import TtftcPostGradPass, compile_with_inductor
+
+        weight_indices = frozenset(i for i, x in enumerate(example_inputs) if is_weight(x))
+
+        def compile_for(args: list) -> Callable:
+            gm, live = weights_as_attributes(dynamo_gm, args, sorted(weight_indices))
+            post_pass = TtftcPostGradPass(self.config, reports=self.reports, autotune_cache=self.autotune_cache)
+            reported = len(self.reports)
+            compiled = compile_with_inductor(gm, [args[i] for i in live], post_pass)
+            if len(self.reports) == reported:
+                self.reports.append(Report(graphs=1, notes=[
+                    "graph loaded from Inductor's FX graph cache: ttftc's passes did not run in this process, so "
+                    "they are not reported (ttftc.explain compiles with that cache off)"]))
+            return _select_inputs(compiled, live)
+
+        first = compile_for(list(example_inputs))
+        run = _WeightGuard(weight_indices, tuple(example_inputs), first, compile_for) if weight_indices else first
+        # Dynamo calls what its backend returns with unpacked arguments (boxing is AOTAutograd's convention).
+        return lambda *args: run(list(args))
 
     def _compile_frozen(self, aten_gm: fx.GraphModule, inputs: FlatInputs, num_aot_inputs: int) -> Callable:
         live, note = freeze_weights(aten_gm, inputs, num_aot_inputs)
@@ -89,16 +133,7 @@ class TtftcBackend:
         if mismatch:
             warnings.warn(mismatch, stacklevel=2)
             notes.append(mismatch)
-        ops_before = op_histogram(aten_gm)
-        manager = PassManager(self.config)
-        stats = manager.run(aten_gm)
-        ops_after = op_histogram(aten_gm)
-        flops = graph_flops(aten_gm)
-        decisions = lower_graph(aten_gm, provider=self.config.provider, autotune=self.config.autotune,
-                                autotune_cache=self.autotune_cache)
-        self.reports.append(
-            make_report(stats, ops_before, ops_after, decisions, flops, {p.name: p.uuid() for p in manager.passes}, notes)
-        )
+        self.reports.append(run_pipeline(aten_gm, self.config, autotune_cache=self.autotune_cache, notes=notes))
         self.graph_modules.append(aten_gm)
         return _boxed(aten_gm, live)
 
@@ -125,15 +160,15 @@ class _WeightGuard:
     checks) and compiles a new specialisation, once, for a new set of weights.
     """
 
-    def __init__(self, backend: "TtftcBackend", template: fx.GraphModule, inputs: FlatInputs, first: Callable):
-        self.backend = backend
-        self.template = template
-        self.weight_indices = tuple(sorted(inputs.weight_indices))
-        weights = tuple(inputs.tensors[i] for i in self.weight_indices)
+    def __init__(self, weight_indices: frozenset[int], inputs: Sequence, first: Callable,
+                 compile_for: Callable[[list], Callable]):
+        self.weight_indices = tuple(sorted(weight_indices))
+        self.compile_for = compile_for  # all inputs (new weights included) -> a boxed runner
+        weights = tuple(inputs[i] for i in self.weight_indices)
         self.variants: list[tuple[tuple, Callable]] = [(weights, first)]
         self._boxed_call = True
-        self.graph_module = first.graph_module
-        self.live_inputs = first.live_inputs
+        self.graph_module = getattr(first, "graph_module", None)
+        self.live_inputs = getattr(first, "live_inputs", None)
 
     def _variant_for(self, args: list) -> Callable:
         weights = tuple(args[i] for i in self.weight_indices)
@@ -141,14 +176,26 @@ class _WeightGuard:
             if all(a is b for a, b in zip(known, weights)):
                 return runner
         with unset_fake_temporarily():
-            gm = fx.GraphModule(self.template, copy_graph(self.template.graph))
-            inputs = FlatInputs(tuple(args), frozenset(self.weight_indices))
-            runner = self.backend._compile_frozen(gm, inputs, len(args))
+            runner = self.compile_for(list(args))
         self.variants.append((weights, runner))
         return runner
 
     def __call__(self, args: list):
         return self._variant_for(args)(args)
+
+
+def _select_inputs(compiled: Callable, live: list[int]) -> Callable:
+    """A boxed runner over all of Dynamo's inputs that calls `compiled` (unboxed, as compile_fx's result is
+    whatever its `_boxed_call` attribute says) with only the `live` ones."""
+
+    def run(args: list):
+        picked = [args[i] for i in live]
+        args.clear()
+        return compiled(*picked)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.live_inputs = tuple(live)  # type: ignore[attr-defined]
+    return run
 
 
 def _boxed(gm: fx.GraphModule, live: list[int]) -> Callable:

@@ -212,5 +212,5 @@ def make_report(
         flops=flops,
         graphs=1,
         pass_uuids=pass_uuids,
-        notes=list(notes or []),
+        notes=list(notes or []) + [f"{s.name}: {d}" for s in stats for d in s.decisions],
     )

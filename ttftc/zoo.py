@@ -94,6 +94,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
         dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192),
     ),
+    # The shape of a real small checkpoint (SmolLM-135M: GQA 9/3, tied embeddings), random weights.
+    "smol-135m": (
+        "llama",
+        dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+             num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=8192),
+    ),
     "tiny": ("llama", dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096)),
 }

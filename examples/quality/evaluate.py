@@ -1,4 +1,4 @@
-"""Task accuracy of the checked-in tiny model (examples/quality/tiny_task/) in fp32, bf16 and int8 through ttftc.
+"""Task accuracy of the checked-in tiny model (examples/quality/tiny_task/) in auto, fp32, bf16 and int8 through ttftc.
 
     python examples/quality/evaluate.py [--model examples/quality/tiny_task] [--size 512]
 
@@ -50,7 +50,7 @@ def main() -> None:
     batch = tiny_task.eval_batch(args.size)
     eager_acc, eager_logits = evaluate(model, None, batch)
     print(f"{'eager fp32':<14} accuracy {eager_acc:7.3f}%")
-    for precision in ("fp32", "bf16", "int8"):
+    for precision in ("auto", "fp32", "bf16", "int8"):
         acc, logits = evaluate(model, precision, batch)
         cos = torch.nn.functional.cosine_similarity(logits.double().flatten(), eager_logits.double().flatten(), dim=0)
         print(f"ttftc {precision:<8} accuracy {acc:7.3f}%  (Δ {acc - eager_acc:+.3f} points)  logits cosine {cos:.5f}")

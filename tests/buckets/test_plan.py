@@ -55,6 +55,28 @@ def _masked_softmax(x, *, causal: bool):
     return _merge(torch.softmax(scores, dim=-1) @ q)
 
 
+def _data_dependent_mask_sdpa(x):
+    # Hides the keys whose embedding sums below zero: which ones depends on the tokens, not on positions.
+    q = _heads(x)
+    visible = (x.sum(-1) > 0)[:, None, None, :]
+    return _merge(F.scaled_dot_product_attention(q, q, q, attn_mask=visible))
+
+
+def _data_dependent_mask_softmax(x):
+    q = _heads(x)
+    hidden = (x.sum(-1) < 0)[:, None, None, :]
+    scores = (q @ q.transpose(-1, -2)).masked_fill(hidden, float("-inf"))
+    return _merge(torch.softmax(scores, dim=-1) @ q)
+
+
+def _reversed(n):
+    return torch.arange(n - 1, -1, -1)
+
+
+def _reversed_positions(x):
+    return x[:, _reversed(x.shape[1])]
+
+
 def _plan(mix):
     return analyse_padding(_Toy(mix).eval(), BUCKETS, CPU)
 
@@ -86,8 +108,17 @@ def test_padding_proven_safe(mix, evidence):
         (lambda x: F.layer_norm(x.transpose(1, 2), (x.shape[1],)).transpose(1, 2), "normalises across the sequence"),
         (lambda x: x[:, -1:], "slices the sequence axis"),
         (lambda x: F.avg_pool1d(x.transpose(1, 2), 2, 1, padding=1).transpose(1, 2), "cannot prove"),
+        (_data_dependent_mask_sdpa, "depends on graph inputs"),
+        (_data_dependent_mask_softmax, "depends on graph inputs"),
+        (_reversed_positions, "picks positions along the sequence axis"),
+        (lambda x: torch.gather(x, 1, torch.zeros_like(x, dtype=torch.long)), "picks positions along the sequence"),
+        (lambda x: x.index_select(1, _reversed(x.shape[1])), "picks positions along the sequence axis"),
+        (lambda x: torch.cat([x, 2 * x], dim=1)[:, : x.shape[1]], "concatenates along the sequence axis"),
+        (lambda x: F.embedding(_reversed(x.shape[1]), x[0])[None], "embedding table indexed by position"),
     ],
-    ids=["bidirectional", "anti-causal-mask", "sequence-mean", "sequence-norm", "last-position", "pooling"],
+    ids=["bidirectional", "anti-causal-mask", "sequence-mean", "sequence-norm", "last-position", "pooling",
+         "data-dependent-sdpa-mask", "data-dependent-softmax-mask", "index", "gather", "index-select", "cat",
+         "embedding-by-position"],
 )
 def test_padding_refused_with_reason(mix, reason):
     plan = _plan(mix)

@@ -14,6 +14,8 @@ from ttftc.ops.attention import attention
 from tests.helpers import TOLERANCES, assert_logits_match, compile_and_run, needs_transformers
 
 FP32_TOL = (1e-5, 1e-5)
+# Not head_dim**-0.5 (the flash kernel's own default for every head dim here): a path that drops `scale` fails.
+SCALE = 0.3
 
 
 @pytest.fixture(params=["one-masked-call", "memory-bounded"])
@@ -25,12 +27,19 @@ def path(request, monkeypatch):
     return request.param
 
 
-def _check(b, hq, hkv, sq, skv, d=16, *, causal, q_offset=0, window=0, dtype=torch.float32, kv_len=None):
+def _qkv(b, hq, hkv, sq, skv, d, dtype=torch.float32):
     gen = torch.Generator().manual_seed(sq * 7 + skv)
-    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    # Scores of a few units: softmax is far from uniform, so a wrong scale or a lost mask shows in the output.
+    q = (torch.randn(b, hq, sq, d, generator=gen) * 2).to(dtype)
     k = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
     v = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
-    params = dict(causal=causal, scale=d ** -0.5, q_offset=q_offset, window=window)
+    return q, k, v
+
+
+def _check(b, hq, hkv, sq, skv, d=16, *, causal, q_offset=0, window=0, dtype=torch.float32, kv_len=None,
+           scale=SCALE):
+    q, k, v = _qkv(b, hq, hkv, sq, skv, d, dtype)
+    params = dict(causal=causal, scale=scale, q_offset=q_offset, window=window)
     out = attention_cpu(q, k, v, kv_len, **params)
     expected = attention.reference(q.float(), k.float(), v.float(), kv_len, **params)
     atol, rtol = FP32_TOL if dtype == torch.float32 else TOLERANCES[dtype]
@@ -40,8 +49,9 @@ def _check(b, hq, hkv, sq, skv, d=16, *, causal, q_offset=0, window=0, dtype=tor
 
 @pytest.mark.parametrize("length", [1, 17, 127, 300])
 @pytest.mark.parametrize("causal", [True, False])
-def test_plain_attention(length, causal):
-    _check(1, 4, 2, length, length, causal=causal)
+@pytest.mark.parametrize("q_offset", [0, 9])
+def test_plain_attention(length, causal, q_offset):
+    _check(1, 4, 2, length, length, causal=causal, q_offset=q_offset)
 
 
 @pytest.mark.parametrize("sq,skv,q_offset", [(17, 40, 23), (9, 30, 4), (1, 50, 49), (8, 8, 20)])
@@ -49,20 +59,33 @@ def test_causal_offset(path, sq, skv, q_offset):
     _check(1, 4, 1, sq, skv, causal=True, q_offset=q_offset)
 
 
-@pytest.mark.parametrize("window,q_offset", [(1, 0), (7, 0), (300, 0), (5, 10), (600, 0)])
+@pytest.mark.parametrize("window,q_offset", [(1, 0), (7, 0), (300, 0), (5, 10), (600, 0), (7, 33), (40, 290)])
 def test_sliding_window(path, window, q_offset):
     _check(1, 2, 2, 300 - q_offset, 300, causal=True, q_offset=q_offset, window=window)
 
 
 def test_per_sequence_kv_len_including_empty(path):
     _check(3, 2, 1, 33, 40, causal=True, q_offset=7, kv_len=torch.tensor([40, 12, 0]))
-    _check(2, 2, 2, 20, 20, causal=False, kv_len=torch.tensor([3, 20]))
+    _check(2, 2, 2, 20, 20, causal=False, q_offset=5, kv_len=torch.tensor([3, 20]))
+    _check(2, 4, 2, 12, 30, causal=True, q_offset=18, window=9, kv_len=torch.tensor([30, 25]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_dtypes(path, dtype):
     _check(1, 4, 4, 65, 65, 32, causal=True, dtype=dtype)
     _check(1, 4, 1, 20, 50, 32, causal=True, q_offset=30, dtype=dtype)
+    _check(1, 4, 2, 40, 70, 32, causal=True, q_offset=30, window=12, dtype=dtype)
+
+
+@pytest.mark.parametrize("causal,q_offset,window", [(False, 0, 0), (True, 0, 0), (True, 13, 0), (True, 0, 6),
+                                                    (True, 13, 6)])
+@pytest.mark.parametrize("scale", [0.1, 1.0])
+def test_scale_reaches_every_path(path, causal, q_offset, window, scale):
+    """Each path (one flash call, the additive-mask call, the logsumexp merge, the window blocks, per-sequence
+    kv_len) computes softmax(scale * q k^T): scale 0.1 and 1.0 are both far from the kernel default 0.25."""
+    _check(1, 2, 1, 24, 24 + q_offset, causal=causal, q_offset=q_offset, window=window, scale=scale)
+    _check(2, 2, 1, 24, 24 + q_offset, causal=causal, q_offset=q_offset, window=window, scale=scale,
+           kv_len=torch.tensor([24 + q_offset, 20]))
 
 
 def test_capability():
@@ -77,7 +100,8 @@ def test_capability():
 
 
 @needs_transformers
-@pytest.mark.parametrize("family,attn", [("qwen2", "eager"), ("mistral", "sdpa"), ("gpt2", "eager")])
+# gemma: query_pre_attn_scalar (256) sets its scale to 1/16 where head_dim**-0.5 is 1/4.
+@pytest.mark.parametrize("family,attn", [("qwen2", "eager"), ("mistral", "sdpa"), ("gpt2", "eager"), ("gemma", "sdpa")])
 def test_whole_zoo_model_uses_the_cpu_lowering(family, attn):
     model = zoo.build(family, attn)
     ids = zoo.example_ids(model, 10)
@@ -94,9 +118,9 @@ def test_no_quadratic_memory_at_4096_tokens():
     q, k, v = (torch.randn(1, heads, sq, d, generator=gen) for _ in range(3))
     one_head_scores = sq * sq * 4  # a single fp32 [Sq, Skv] matrix: 64 MiB
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        attention_cpu(q, k, v, causal=True, scale=d ** -0.5)  # plain causal
-        attention_cpu(q[:, :, 1024:], k, v, causal=True, scale=d ** -0.5, q_offset=1024)  # chunked prefill
-        attention_cpu(q, k, v, causal=True, scale=d ** -0.5, window=512)  # sliding window
+        attention_cpu(q, k, v, causal=True, scale=SCALE)  # plain causal
+        attention_cpu(q[:, :, 1024:], k, v, causal=True, scale=SCALE, q_offset=1024)  # chunked prefill
+        attention_cpu(q, k, v, causal=True, scale=SCALE, window=512)  # sliding window
     # Per call: the bytes one op allocated itself (a 64 MiB score matrix would show up here).
     biggest = max(prof.events(), key=lambda e: e.cpu_memory_usage)
     assert biggest.cpu_memory_usage < one_head_scores / 4, (biggest.name, biggest.cpu_memory_usage)
@@ -107,6 +131,6 @@ def test_no_quadratic_memory_at_4096_tokens():
 def test_every_tuning_config_is_exact(tuning):
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 150, 16, generator=gen) for _ in range(3))
-    params = dict(causal=True, scale=0.25, q_offset=0, window=40)
+    params = dict(causal=True, scale=SCALE, q_offset=25, window=40)
     out = attention_cpu(q, k, v, tuning_config=tuning, **params)
     torch.testing.assert_close(out, attention.reference(q, k, v, **params), atol=1e-5, rtol=1e-5)

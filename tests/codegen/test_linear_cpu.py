@@ -5,33 +5,41 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import TOLERANCES
+import ttftc
+from tests.helpers import assert_logits_match, compile_and_run, needs_transformers
+from ttftc import zoo
 from ttftc.autotune.space import Problem, TensorSpec, space_for
 from ttftc.codegen.cpu._blas import default_gemm, gemm_options, linear_2d, onednn_reason
 from ttftc.codegen.cpu.linear import linear_cpu
 from ttftc.codegen.lowering import LoweringContext, load_providers, lowerings_for
 
 CPU = LoweringContext("cpu", None)
+# Against exact float64 sums of the same inputs. A bf16 result accumulated in fp32 is off by at most its one final
+# rounding, 2**-8 relative (measured: 0.0038 at most); a GEMM that accumulated in bf16, or dropped a low-order
+# term, would not pass. fp32: accumulation error only.
+EXACT_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2**-8, rtol=2**-8)}
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
 def _operands(dtype, m=7, k=12, n=37):
     g = torch.Generator().manual_seed(0)
+    # A bias as large as the products, so a lost bias (or one added twice) is far outside any rounding.
     return (torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype),
-            torch.randn(n, generator=g).to(dtype))
+            (torch.randn(n, generator=g) * 3).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("gemm,n_block", [("blas", 0), ("blas", 16), ("onednn", 0)])
-def test_each_gemm_backend_matches_the_reference(dtype, gemm, n_block):
+@pytest.mark.parametrize("gemm,n_block", [("blas", 0), ("blas", 16), ("blas", 20), ("onednn", 0)])
+@pytest.mark.parametrize("shape", [(7, 12, 37), (33, 200, 70)])
+def test_each_gemm_backend_matches_exact_sums(dtype, gemm, n_block, shape):
     if gemm == "onednn" and onednn_reason(dtype):
         pytest.skip(onednn_reason(dtype))
-    x, w, b = _operands(dtype)
-    atol, rtol = TOLERANCES[dtype]
-    expected = (x.double() @ w.double().t() + b.double())
-    torch.testing.assert_close(linear_2d(x, w, b, n_block, gemm=gemm).double(), expected, atol=atol * 10, rtol=rtol)
-    torch.testing.assert_close(linear_2d(x, w, None, n_block, gemm=gemm).double(), expected - b.double(),
-                               atol=atol * 10, rtol=rtol)
+    x, w, b = _operands(dtype, *shape)
+    products = x.double() @ w.double().t()
+    out = linear_2d(x, w, b, n_block, gemm=gemm)
+    assert out.dtype == dtype and out.shape == (shape[0], shape[2])
+    torch.testing.assert_close(out.double(), products + b.double(), **EXACT_TOLERANCE[dtype])
+    torch.testing.assert_close(linear_2d(x, w, None, n_block, gemm=gemm).double(), products, **EXACT_TOLERANCE[dtype])
 
 
 @needs_onednn
@@ -71,7 +79,11 @@ def test_lowering_matches_reference_and_states_its_limits():
     load_providers()
     x, w, b = _operands(torch.float32)
     x3 = x.view(1, 7, 12)
-    torch.testing.assert_close(linear_cpu(x3, w, b), torch.ops.ttftc.linear(x3, w, b), atol=1e-5, rtol=1e-5)
+    exact = (x.double() @ w.double().t() + b.double()).view(1, 7, 37)
+    torch.testing.assert_close(linear_cpu(x3, w, b).double(), exact, **EXACT_TOLERANCE[torch.float32])
+    for config in ({"gemm": "blas", "n_block": 16}, {"gemm": "onednn", "n_block": 0}, {"num_threads": 1}):
+        torch.testing.assert_close(linear_cpu(x3, w, b, tuning_config=config).double(), exact,
+                                   **EXACT_TOLERANCE[torch.float32])
     (entry,) = [e for e in lowerings_for("linear") if e.provider == "cpu"]
     assert entry.unsupported_reason(CPU, x3, w, b) is None
     assert "differs from activation dtype" in entry.unsupported_reason(CPU, x3, w.double(), b)
@@ -88,3 +100,11 @@ def test_a_strided_bias_gives_the_same_numbers(gemm):
     every_other = torch.randn(2 * w.shape[0], generator=torch.Generator().manual_seed(1))[::2]
     torch.testing.assert_close(linear_2d(x, w, every_other, gemm=gemm), torch.addmm(every_other, x, w.t()),
                                atol=1e-5, rtol=1e-5)
+
+
+@needs_transformers
+def test_every_linear_of_a_zoo_model_lowers_to_the_cpu_gemm():
+    model = zoo.build("llama", "sdpa")
+    actual, expected, report = compile_and_run(model, zoo.example_ids(model, 9), ttftc.Config(passes=("linear",)))
+    assert report.providers["linear"] == {"cpu": 15}  # 7 linears per layer and the lm_head
+    assert_logits_match(actual, expected)

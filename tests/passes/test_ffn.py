@@ -51,7 +51,7 @@ def test_gate_up_weight_is_concatenated_once_gate_first():
     w_gate_up = getattr(gm, node.args[1].target)
     mlp = model.model.layers[0].mlp
     torch.testing.assert_close(w_gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rtol=0, atol=0)
-    assert getattr(gm, node.args[2].target) is not None
+    torch.testing.assert_close(getattr(gm, node.args[2].target), mlp.down_proj.weight, rtol=0, atol=0)
 
 
 @needs_transformers

@@ -128,17 +128,19 @@ def test_bf16_llama_matches_and_gemma_style_bf16_norm_is_refused():
 
 
 @needs_transformers
-def test_second_length_recompiles_dynamic_and_still_fuses():
+@pytest.mark.parametrize("dynamic_shapes, graphs", [("auto", 1), ("dynamo", 2)])
+def test_symbolic_sequence_length_still_fuses(dynamic_shapes, graphs):
+    """"auto" traces the first length symbolic; "dynamo" recompiles with a symbolic length at the second."""
     model = zoo.build("llama", "sdpa")
-    backend = ttftc.backend(ttftc.Config(passes=("ffn", "norm_linear")))
+    backend = ttftc.backend(ttftc.Config(passes=("ffn", "norm_linear"), dynamic_shapes=dynamic_shapes))
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
-        for length in (6, 10):  # the second length makes Dynamo recompile with a symbolic sequence length
+        for length in (6, 10, 15):
             ids = zoo.example_ids(model, length)
             assert_logits_match(compiled(ids).logits, model(ids).logits)
     report = backend.report()
-    assert report.graphs == 2
-    assert report.pass_counts == {"ffn": 2 * LAYERS, "norm_linear": 2 * (2 * LAYERS + 1)}
+    assert report.graphs == graphs
+    assert report.pass_counts == {"ffn": graphs * LAYERS, "norm_linear": graphs * (2 * LAYERS + 1)}
 
 
 class _RmsBlock(nn.Module):

@@ -68,6 +68,32 @@ def test_batch_of_different_lengths_uses_each_sequences_length():
             assert_logits_match(last.logits[b:b + 1, 0], logits[:, -1])
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # rotary and learned absolute positions
+def test_caller_position_ids_are_used_for_every_row(family):
+    model = zoo.build(family, "sdpa")
+    bucketed = compile_bucketed(model, ttftc.Config(buckets=(16,)), cache=None)
+    assert bucketed.source.takes_positions
+    lengths, width = (6, 9), 9
+    prompts = [zoo.example_ids(model, n, seed=n) for n in lengths]
+    # Rotary embeddings only see differences of positions, so the given ones are not a plain shift of 0..n-1.
+    offsets = (7, 30)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    positions = torch.zeros(2, width, dtype=torch.long)
+    for b, (n, p, offset) in enumerate(zip(lengths, prompts, offsets)):
+        start = width - n  # left padding: positions are given in the caller's layout too
+        ids[b, start:], mask[b, start:] = p[0], 1
+        positions[b, start:] = offset + 2 * torch.arange(n)
+    out = bucketed(ids, attention_mask=mask, position_ids=positions)
+    default = bucketed(ids, attention_mask=mask)
+    for b, (n, p, offset) in enumerate(zip(lengths, prompts, offsets)):
+        real = slice(width - n, width)
+        with torch.no_grad():
+            expected = model(p, position_ids=(offset + 2 * torch.arange(n))[None]).logits
+        assert_logits_match(out.logits[b:b + 1, real], expected)
+        assert not torch.allclose(default.logits[b:b + 1, real], expected, atol=1e-3)  # the offsets matter
+
+
 def test_zero_recompiles_across_random_lengths():
     from torch._dynamo.utils import counters
 

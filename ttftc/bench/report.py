@@ -51,6 +51,7 @@ def markdown(doc: dict) -> str:
         f"# ttftc bench: {os.path.basename(model['name'])}",
         "",
         f"- device: {doc['device']} ({doc['device_name']}, {doc['threads']} threads)",
+        f"- capabilities: {doc.get('capabilities') or 'not recorded'}",
         f"- model: {model['parameters'] / 1e6:.1f} M parameters; prefill: {settings['prefill']}",
         f"- workload: {settings['workload']}; {settings['repeats']} measured repeats after {settings['warmup']} "
         f"warm-up runs, variants interleaved; first call: {settings['first_call']}",
@@ -72,7 +73,22 @@ def markdown(doc: dict) -> str:
         )
     if doc.get("ablation"):
         lines += ["", "## Ablation (ttftc passes on one at a time)", "", ablation_table(doc, markdown=True)]
+    if doc.get("workload_table"):
+        lines += ["", f"## Workload table ({doc['workload_table']['kind']})", "",
+                  workload_table(doc, markdown=True)]
     return "\n".join(lines) + "\n"
+
+
+def workload_table(doc: dict, *, markdown: bool = False) -> str:
+    """The workload's own table (e.g. TTFT per batch size): one row per entry, its keys as columns."""
+    rows = doc["workload_table"]["rows"]
+    header = list(rows[0])
+    cells = [[_ms(v) if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        return "\n".join(out + ["| " + " | ".join(c) + " |" for c in cells])
+    widths = [max(len(x) for x in col) for col in zip(header, *cells)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in [header] + cells)
 
 
 def write_markdown(doc: dict, path: str) -> None:
@@ -154,13 +170,17 @@ def write_plot(doc: dict, path: str) -> None:
 
 def summary_lines(doc: dict) -> list[str]:
     """A compact table for the terminal."""
-    out = [f"{'variant':<44}{'seq':>6}{'p50 ms':>10}{'p95 ms':>10}{'first s':>9}{'unseen s':>10}{'bound ms':>10}{'eff':>7}  status"]
+    out = [f"{doc['device_name']}: {doc['capabilities']}"] if doc.get("capabilities") else []
+    out.append(f"{'variant':<44}{'seq':>6}{'p50 ms':>10}{'p95 ms':>10}{'first s':>9}{'unseen s':>10}{'bound ms':>10}"
+               f"{'eff':>7}  status")
     for r in doc["results"]:
         out.append(
             f"{r['variant']:<44}{r['seq']:>6}{_ms(r['ttft_ms_p50']):>10}{_ms(r['ttft_ms_p95']):>10}"
             f"{_fmt(r['first_call_s'], 3):>9}{_fmt(r['unseen_len_first_call_s'], 3):>10}{_ms(r['bound_ms']):>10}"
             f"{_fmt(r['efficiency'], 3):>7}  {r['status']}"
         )
+    if doc.get("workload_table"):
+        out += ["", f"workload table ({doc['workload_table']['kind']}):", workload_table(doc)]
     return out
 
 

@@ -27,6 +27,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ttftc.capabilities import probe
+
 from ttftc.bench.ablation import AblationStep, ablation_steps
 from ttftc.bench.caches import fresh_cache_dirs
 from ttftc.bench.errors import BenchInputError
@@ -375,6 +377,7 @@ def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, de
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": s.device,
         "device_name": _device_name(s.device),
+        "capabilities": probe(torch.device(s.device).type).describe(),
         "threads": torch.get_num_threads(),
         "versions": _versions(),
         "model": model_info,
@@ -396,5 +399,6 @@ def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, de
         },
         "results": results,
         "ablation": [{"step": st.label, "variant": st.variant} for st in p.ablation] if s.ablation else None,
+        "workload_table": p.workload.table(),
         "elapsed_s": elapsed_s,
     }

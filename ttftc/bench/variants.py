@@ -6,7 +6,8 @@
     inductor-bf16  torch.compile default on the model converted to bf16
     torchao-int8   torchao Int8DynamicActivationInt8WeightConfig (every linear, lm_head included), under Inductor;
                    skipped when torchao is not installed
-    ttftc-fp32     torch.compile with ttftc.backend(Config(precision="fp32")); likewise ttftc-bf16, ttftc-int8
+    ttftc-fp32     torch.compile with ttftc.backend(Config(precision="fp32")); likewise ttftc-auto, ttftc-bf16,
+                   ttftc-int8
 
 Any ttftc Config can also be named directly: `ttftc[passes=attention+ffn,precision=bf16]` (passes: `all`,
 `none`, or pass names joined by `+`). The ablation uses that form. `tuned=off` compiles with
@@ -130,6 +131,13 @@ def _ttftc(config_kwargs: dict, attn: str = "sdpa", tuned: Optional[str] = None)
     return build
 
 
+def _auto_dtype() -> str:
+    """Whose GEMM peak bounds precision "auto" here: what the policy picks on this machine."""
+    from ttftc.capabilities import probe
+
+    return "bf16" if probe("cuda" if torch.cuda.is_available() else "cpu").native_bf16 else "fp32"
+
+
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
@@ -142,6 +150,8 @@ VARIANTS: dict[str, Variant] = {
                 compiles=True),
         Variant("torchao-int8", "int8", "torchao int8 dynamic activation + int8 weight, Inductor", _torchao_int8,
                 compiles=True, skip_reason=_torchao_missing),
+        Variant("ttftc-auto", _auto_dtype(), "ttftc, precision auto (bf16 where native, else fp32)",
+                _ttftc({"precision": "auto"}), compiles=True),
         Variant("ttftc-fp32", "fp32", "ttftc, precision fp32", _ttftc({"precision": "fp32"}), compiles=True),
         Variant("ttftc-bf16", "bf16", "ttftc, precision bf16", _ttftc({"precision": "bf16"}), compiles=True),
         Variant("ttftc-int8", "int8", "ttftc, precision int8 (W8A8)", _ttftc({"precision": "int8"}), compiles=True),
@@ -166,19 +176,20 @@ def _parse_ttftc_spec(name: str) -> Variant:
     fields: dict[str, str] = {}
     for item in filter(None, body.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("passes", "precision", "attn", "tuned"):
+        if not sep or key.strip() not in ("passes", "precision", "attn", "tuned", "codegen"):
             raise BenchInputError(
                 f"malformed variant {name!r}: expected ttftc[passes=a+b|all|none,precision=fp32|bf16|int8"
-                ",attn=sdpa|eager,tuned=on|off]"
+                ",attn=sdpa|eager,tuned=on|off,codegen=eager|inductor]"
             )
         fields[key.strip()] = value.strip()
     passes_text = fields.get("passes", "all")
     passes: Any = "all" if passes_text == "all" else () if passes_text == "none" else tuple(passes_text.split("+"))
     precision = fields.get("precision", "fp32")
+    codegen = fields.get("codegen", "eager")
     import ttftc
 
     try:
-        ttftc.Config(passes=passes, precision=precision)  # validates pass names and precision
+        ttftc.Config(passes=passes, precision=precision, codegen=codegen)  # validates every field
     except ValueError as exc:
         raise BenchInputError(f"variant {name!r}: {exc}") from None
     attn = fields.get("attn", "sdpa")
@@ -187,11 +198,11 @@ def _parse_ttftc_spec(name: str) -> Variant:
     tuned = fields.get("tuned")
     if tuned is not None and tuned not in TUNED_VALUES:
         raise BenchInputError(f"variant {name!r}: tuned must be on or off, got {tuned!r}")
-    dtype = precision if precision in ("bf16", "int8") else "fp32"
-    kwargs = {"passes": passes, "precision": precision}
+    dtype = precision if precision in ("bf16", "int8") else _auto_dtype() if precision == "auto" else "fp32"
+    kwargs = {"passes": passes, "precision": precision, "codegen": codegen}
     tuning = "" if tuned is None else f", autotuned configs {tuned}"
-    return Variant(name, dtype, f"ttftc, passes={passes_text}, precision={precision}, attention {attn}{tuning}",
-                   _ttftc(kwargs, attn, tuned), compiles=True)
+    return Variant(name, dtype, f"ttftc, passes={passes_text}, precision={precision}, attention {attn}, "
+                   f"codegen {codegen}{tuning}", _ttftc(kwargs, attn, tuned), compiles=True)
 
 
 def get_variant(name: str) -> Variant:

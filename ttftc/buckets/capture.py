@@ -97,7 +97,8 @@ class _CaptureBackend(TtftcBackend):
     """The ttftc backend, plus: remembers which graph input is which, and stops after compiling."""
 
     def __init__(self, config: Config, *, observe: Optional[Callable] = None, compile_graph: bool = True):
-        super().__init__(config)
+        # The capture decides itself which sizes are symbolic (a static bucket, or the plan's symbolic length).
+        super().__init__(config.replace(dynamic_shapes="dynamo"))
         self.observe = observe
         self.compile_graph = compile_graph
         self.flat_names: list[Optional[str]] = []

@@ -23,14 +23,17 @@ import torch.fx as fx
 
 from ttftc.ops.registry import get_op, op_name_of
 
-PROVIDER_PACKAGES = ("triton", "npu", "cpu")
+PROVIDER_PACKAGES = ("inductor", "triton", "npu", "cpu")
 REFERENCE = "reference"
+# The provider whose lowerings are decompositions, inlined into the graph for Inductor (codegen/inductor/).
+INLINE = "inductor"
 
 
 @dataclass(frozen=True)
 class LoweringContext:
     device_type: str  # "cpu" | "cuda" | "npu" | ...
     forced_provider: Optional[str]  # None under provider="auto"
+    codegen: str = "eager"  # the code generator the graph goes to: "eager" | "inductor"
 
     @property
     def triton_interpret(self) -> bool:
@@ -47,6 +50,9 @@ class Lowering:
     priority: int = 0
     # Optional compile-time step: may rewrite the node's arguments (e.g. pre-pack a constant weight).
     prepare: Optional[Callable[[fx.GraphModule, fx.Node], None]] = None
+    # The meta implementation of this lowering's outputs when their layout is not the op's (contiguous) one;
+    # code generators that plan buffers from metadata (Inductor) need the layout the kernel really returns.
+    fake: Optional[Callable[..., Any]] = None
 
 
 _LOWERINGS: dict[str, list[Lowering]] = {}
@@ -59,12 +65,13 @@ def register_lowering(
     unsupported_reason: Callable[..., Optional[str]],
     priority: int = 0,
     prepare: Optional[Callable[[fx.GraphModule, fx.Node], None]] = None,
+    fake: Optional[Callable[..., Any]] = None,
 ):
     """Decorator for a provider implementation of ttftc op `op`."""
     get_op(op)  # fail at import time on a typo, not at compile time
 
     def wrap(impl: Callable) -> Callable:
-        entry = Lowering(op, provider, impl, unsupported_reason, priority, prepare)
+        entry = Lowering(op, provider, impl, unsupported_reason, priority, prepare, fake)
         entries = [e for e in _LOWERINGS.get(op, []) if e.provider != provider]
         entries.append(entry)
         entries.sort(key=lambda e: -e.priority)
@@ -76,6 +83,12 @@ def register_lowering(
 
 def lowerings_for(op: str) -> list[Lowering]:
     return list(_LOWERINGS.get(op, []))
+
+
+def all_lowerings() -> list[Lowering]:
+    """Every registered lowering of every op (providers loaded first)."""
+    load_providers()
+    return [entry for entries in _LOWERINGS.values() for entry in entries]
 
 
 _providers_loaded = False
@@ -134,42 +147,56 @@ def choose(op: str, ctx: LoweringContext, args, kwargs) -> tuple[Optional[Loweri
     return None, skipped
 
 
+def _tunable(op: str, provider: str, node: fx.Node) -> bool:
+    from ttftc.autotune.space import space_for
+
+    return space_for(op, provider, _node_device_type(node)) is not None
+
+
+def _is_static(node: fx.Node) -> bool:
+    from ttftc.autotune.space import Problem
+
+    return Problem.is_static(_meta(node.args), _meta(node.kwargs))
+
+
 def _tuned_config(op: str, provider: str, node: fx.Node, cache=None) -> Optional[dict]:
     """The autotuned config for this op instance from the persistent cache (`cache`, else the default autotune
-    cache), if `ttftc autotune` stored one."""
+    cache), if `ttftc autotune` stored one. Only for static shapes (see codegen/tuned_per_shape.py)."""
     from ttftc.autotune.cache import AutotuneCache
     from ttftc.autotune.keys import key_for
-    from ttftc.autotune.space import Problem, space_for
+    from ttftc.autotune.space import Problem
 
     device_type = _node_device_type(node)
-    if space_for(op, provider, device_type) is None:
+    if not _tunable(op, provider, node) or not _is_static(node):
         return None
     args, kwargs = _meta(node.args), _meta(node.kwargs)
-    if not Problem.is_static(args, kwargs):
-        return None
     cache = cache if cache is not None else AutotuneCache()
     entry = cache.lookup(key_for(Problem.from_meta(op, provider, args, kwargs), device_type))
     return entry.config if entry is not None else None
 
 
 def lower_graph(gm: fx.GraphModule, *, provider: str, autotune: bool = True,
-                autotune_cache=None) -> list[LoweringDecision]:
+                autotune_cache=None, as_ops: bool = False) -> list[LoweringDecision]:
     """Swap each ttftc op node's target for its chosen provider's implementation, in place.
 
     The device comes from each node's own output, never from the Config: a lowering for a device the tensors
     are not on could only crash. With `autotune` (Config.autotune), each lowering gets the config `ttftc autotune`
     stored for its op instance in `autotune_cache` (an AutotuneCache; None: the default one), if any.
+
+    `as_ops=False` (the eager code generator) makes the target the lowering's Python function. `as_ops=True`
+    (Inductor) makes it the lowering's own custom op (codegen/lowered_ops.py), with the tuned config as an
+    argument and the node's metadata recomputed from that op's fake; a lowering of the INLINE provider is instead
+    inlined as the graph of its decomposition, whose own ttftc ops are then lowered in turn.
     """
     load_providers()
     forced = None if provider == "auto" else provider
+    codegen = "inductor" if as_ops else "eager"
     decisions = []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
+    pending = [n for n in gm.graph.nodes if n.op == "call_function" and op_name_of(n.target) is not None]
+    while pending:
+        node = pending.pop(0)
         op = op_name_of(node.target)
-        if op is None:
-            continue
-        ctx = LoweringContext(device_type=_node_device_type(node), forced_provider=forced)
+        ctx = LoweringContext(device_type=_node_device_type(node), forced_provider=forced, codegen=codegen)
         chosen = None
         skipped = []
         if forced != REFERENCE:
@@ -177,19 +204,52 @@ def lower_graph(gm: fx.GraphModule, *, provider: str, autotune: bool = True,
         if chosen is None:
             decisions.append(LoweringDecision(node.name, op, REFERENCE, skipped))
             continue
+        decisions.append(LoweringDecision(node.name, op, chosen.provider, skipped))
+        if chosen.provider == INLINE:
+            pending = _inline(gm, node, chosen) + pending
+            continue
         node.meta["ttftc_op"] = op
         tuned = _tuned_config(op, chosen.provider, node, autotune_cache) if autotune else None
-        if tuned is not None:
+        if tuned is not None and not as_ops:
             node.kwargs = {**node.kwargs, "tuning_config": tuned}
+        elif tuned is not None:
+            node.meta["ttftc_tuning"] = tuned
         if chosen.prepare is not None:
             try:
                 chosen.prepare(gm, node)
             except Exception as exc:  # keep the reference rather than fail the compile
                 skipped.append(f"{chosen.provider}: prepare raised {type(exc).__name__}: {exc}")
-                decisions.append(LoweringDecision(node.name, op, REFERENCE, skipped))
+                decisions[-1] = LoweringDecision(node.name, op, REFERENCE, skipped)
                 continue
-        node.target = chosen.impl
+        if as_ops:
+            _retarget_to_lowered_op(gm, node, chosen)
+        elif autotune and not _is_static(node) and _tunable(op, chosen.provider, node):
+            from ttftc.codegen.tuned_per_shape import TunedPerShape
+
+            node.target = TunedPerShape(op, chosen.provider, ctx.device_type, chosen.impl, autotune_cache)
+        else:
+            node.target = chosen.impl
         node.meta["ttftc_provider"] = chosen.provider
-        decisions.append(LoweringDecision(node.name, op, chosen.provider, skipped))
     gm.recompile()
     return decisions
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, chosen: Lowering) -> list[fx.Node]:
+    """Inline `chosen`'s decomposition in place of `node`; returns the ttftc op nodes it brought in."""
+    from ttftc.passes.graph_utils import inline_function
+
+    before = set(gm.graph.nodes)
+    inline_function(gm, node, chosen.impl)
+    return [n for n in gm.graph.nodes
+            if n not in before and n.op == "call_function" and op_name_of(n.target) is not None]
+
+
+def _retarget_to_lowered_op(gm: fx.GraphModule, node: fx.Node, chosen: Lowering) -> None:
+    from ttftc.codegen.lowered_ops import TUNING_ARG, encode_tuning, lowered_op
+    from ttftc.passes.graph_utils import refresh_meta
+
+    node.target = lowered_op(chosen)
+    tuning = encode_tuning(node.meta.pop("ttftc_tuning", None))
+    if tuning:
+        node.kwargs = {**node.kwargs, TUNING_ARG: tuning}
+    refresh_meta(gm, node)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from ttftc.config import PRECISIONS
+
 
 def _buckets(text: str) -> tuple[int, ...]:
     parts = [p.strip() for p in text.split(",")]
@@ -44,7 +46,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cache", default=None, help="cache directory (default $TTFTC_AUTOTUNE_CACHE or "
                    "~/.cache/ttftc/autotune)")
     p.add_argument("--ops", type=_ops, default=None, help="only these ttftc ops, comma-separated")
-    p.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--provider", choices=("auto", "triton", "cpu", "npu"), default="auto")
     p.add_argument("--chunk-sizes", type=_chunk_sizes, default=None,
                    help="also time chunked prefill (ttftc.runtime.PrefillEngine) at each bucket with these chunk "

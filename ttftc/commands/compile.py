@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ttftc.config import PRECISIONS
+
 
 def _int_list(text: str) -> tuple[int, ...]:
     parts = [p.strip() for p in text.split(",")]
@@ -36,7 +38,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="the artifact directory to write")
     p.add_argument("--buckets", type=_int_list, metavar="N[,N...]",
                    help="prompt-length buckets (default: powers of two 16..4096, capped at the model's positions)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--passes", default="all", help="all (default), none, or pass names separated by commas")
     p.add_argument("--provider", choices=("auto", "reference", "triton", "cpu", "npu"), default="auto")
     p.add_argument("--batch", type=_int_list, default=(1,), metavar="N[,N...]", help="batch sizes (default 1)")

@@ -21,6 +21,7 @@ class OpDef:
     overload: torch._ops.OpOverload
     reference: Callable
     flops: Callable[..., int]
+    reference_fake: Callable  # the meta implementation: output shapes, dtypes and (contiguous) layout
 
 
 _OPS: dict[str, OpDef] = {}
@@ -32,7 +33,7 @@ def define_op(name: str, *, fake: Callable, flops: Callable[..., int]):
     def wrap(fn: Callable) -> OpDef:
         custom = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(fn)
         custom.register_fake(fake)
-        opdef = OpDef(name=name, overload=custom._opoverload, reference=fn, flops=flops)
+        opdef = OpDef(name=name, overload=custom._opoverload, reference=fn, flops=flops, reference_fake=fake)
         _OPS[name] = opdef
         return opdef
 

@@ -269,7 +269,22 @@ class MaskEvaluator:
         return value
 
     def _operands(self, node: fx.Node, *args) -> list[Value]:
-        return [self._broadcast(self.evaluate(a), a, node) for a in args]
+        return self._apart([self._broadcast(self.evaluate(a), a, node) for a in args])
+
+    def _apart(self, values: list) -> list:
+        """One symbol per dimension across operands. A ramp that feeds two dimensions (one `arange` shared by
+        the query and the key positions, as Inductor's common-subexpression elimination leaves it) is a
+        different position on each, so the later operand gets a fresh symbol for it."""
+        placed: dict[int, int] = {}
+        result = []
+        for v in values:
+            for s, d in getattr(v, "dims", ()):
+                if placed.get(s, d) != d:
+                    v = _renamed(v, s, self._new_symbol())
+            for s, d in getattr(v, "dims", ()):
+                placed.setdefault(s, d)
+            result.append(v)
+        return result
 
     # the op table ------------------------------------------------------------------------------------------------
     def _eval(self, node: fx.Node) -> Value:
@@ -282,7 +297,7 @@ class MaskEvaluator:
         t = node.target
         a = node.args
 
-        if t in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        if t in (aten.arange.default, aten.arange.start, aten.arange.start_step, torch.ops.prims.iota.default):
             return self._arange(node)
         if t in (aten.lift_fresh_copy.default, aten.clone.default, aten.alias.default, aten.contiguous.default):
             return self.evaluate(a[0])
@@ -331,7 +346,9 @@ class MaskEvaluator:
 
     def _arange(self, node: fx.Node) -> Value:
         a = node.args
-        if node.target is aten.arange.default:
+        if node.target is torch.ops.prims.iota.default:  # Inductor's arange: iota(length, start=, step=, ...)
+            start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
+        elif node.target is aten.arange.default:
             start, step = 0, 1
         else:
             start = a[0]
@@ -400,7 +417,8 @@ class MaskEvaluator:
         a, b = node.args[0], node.args[1]
         alpha = node.kwargs.get("alpha", 1)
         sign = 1 if node.target in (aten.add.Tensor, aten.add.Scalar) else -1
-        x, y = (self._broadcast(self.evaluate(v), v, node) if isinstance(v, fx.Node) else None for v in (a, b))
+        x, y = self._apart([self._broadcast(self.evaluate(v), v, node) if isinstance(v, fx.Node) else None
+                            for v in (a, b)])
         if isinstance(x, Select) or isinstance(y, Select):
             return self._add_floats(x, y, a, b, sign * alpha)
         if not isinstance(alpha, int):
@@ -425,7 +443,8 @@ class MaskEvaluator:
 
     def _mul(self, node: fx.Node) -> Value:
         a, b = node.args[0], node.args[1]
-        x, y = (self._broadcast(self.evaluate(v), v, node) if isinstance(v, fx.Node) else None for v in (a, b))
+        x, y = self._apart([self._broadcast(self.evaluate(v), v, node) if isinstance(v, fx.Node) else None
+                            for v in (a, b)])
         if isinstance(x, Bool) and isinstance(y, Bool):
             return Bool(_p_and(x.pred, y.pred), self._dims_of(x, y))
         if isinstance(x, Index) and y is None and isinstance(b, int):
@@ -436,7 +455,8 @@ class MaskEvaluator:
 
     def _compare(self, node: fx.Node) -> Value:
         a, b = node.args[0], node.args[1]
-        xs = [self._broadcast(self.evaluate(v), v, node) if isinstance(v, fx.Node) else None for v in (a, b)]
+        xs = self._apart([self._broadcast(self.evaluate(v), v, node) if isinstance(v, fx.Node) else None
+                          for v in (a, b)])
         xa = xs[0].value if isinstance(xs[0], Index) else self._affine_of(a)
         ya = xs[1].value if isinstance(xs[1], Index) else self._affine_of(b)
         kind = _COMPARISONS[node.target]
@@ -679,6 +699,12 @@ def _with_dims(x: Value, dims) -> Value:
     if isinstance(x, Bool):
         return Bool(x.pred, dims)
     return Select(x.pred, x.a, x.b, dims)
+
+
+def _renamed(x: Value, old: int, new: int) -> Value:
+    """The same value with position symbol `old` called `new` (on the same dimension)."""
+    renamed = _substitute(x, old, Affine.symbol(new), drop=True)
+    return _with_dims(renamed, renamed.dims + tuple((new, d) for s, d in x.dims if s == old))
 
 
 def _substitute(x: Value, sym: int, replacement: Affine, *, drop: bool) -> Value:

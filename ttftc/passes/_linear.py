@@ -160,6 +160,20 @@ def _mul_operands(node: Any) -> Optional[tuple[Any, Any]]:
     return (node.args[0], node.args[1]) if gu.is_call(node, aten.mul.Tensor) and not node.kwargs else None
 
 
+def _cube_of(node: Any, v: fx.Node) -> Optional[list[fx.Node]]:
+    """The nodes computing v**3, as `pow(v, 3)` or Inductor's `(v * v) * v`; None if `node` is neither."""
+    if gu.is_call(node, aten.pow.Tensor_Scalar) and node.args[0] is v and _close(node.args[1], 3.0):
+        return [node]
+    ops = _mul_operands(node)
+    if ops is None or v not in ops:
+        return None
+    square = ops[1] if ops[0] is v else ops[0]
+    square_ops = _mul_operands(square)
+    if square_ops is None or square_ops[0] is not v or square_ops[1] is not v:
+        return None
+    return [node, square]
+
+
 def _match_decomposed_gelu_tanh(node: Any) -> Optional[tuple[fx.Node, list[fx.Node]]]:
     """0.5*v * (1 + tanh(sqrt(2/pi) * (v + 0.044715 * v**3))), as GPT-2's gelu_new traces. (v, nodes) or None."""
     ops = _mul_operands(node)
@@ -185,16 +199,41 @@ def _match_decomposed_gelu_tanh(node: Any) -> Optional[tuple[fx.Node, list[fx.No
         if cubic is None or not _close(cubic[1], 0.044715):
             continue
         power = cubic[0]
-        if not (gu.is_call(power, aten.pow.Tensor_Scalar) and power.args[0] is v and _close(power.args[1], 3.0)):
+        cube_nodes = _cube_of(power, v)
+        if cube_nodes is None:
             continue
-        return v, [node, half, rest, tanh, tanh.args[0], inner, inner.args[1], power]
+        return v, [node, half, rest, tanh, tanh.args[0], inner, inner.args[1], *cube_nodes]
     return None
+
+
+def _match_decomposed_silu(node: Any) -> Optional[tuple[fx.Node, list[fx.Node]]]:
+    """v / (1 + exp(-v)) or v * sigmoid(v): SiLU after Inductor's decompositions. (v, nodes) or None."""
+    if gu.is_call(node, aten.mul.Tensor) and not node.kwargs:
+        for v, sig in (node.args, node.args[::-1]):
+            if gu.is_call(sig, aten.sigmoid.default) and sig.args[0] is v and isinstance(v, fx.Node):
+                return v, [node, sig]
+        return None
+    if not (gu.is_call(node, aten.div.Tensor) and not node.kwargs and isinstance(node.args[0], fx.Node)):
+        return None
+    v, denominator = node.args
+    if not gu.is_call(denominator, aten.add.Tensor):
+        return None
+    exp, one = denominator.args if gu.is_call(denominator.args[0], aten.exp.default) else denominator.args[::-1]
+    if not (gu.is_call(exp, aten.exp.default) and _close(one, 1.0)):
+        return None
+    negated = exp.args[0]
+    if not (gu.is_call(negated, aten.neg.default) and negated.args[0] is v):
+        return None
+    return v, [node, denominator, exp, negated]
 
 
 def match_activation(node: Any) -> Optional[tuple[str, fx.Node, list[fx.Node]]]:
     """(act name, its input node, the nodes that compute it) if `node` is an activation ttftc ops know."""
     if gu.is_call(node, aten.silu.default):
         return "silu", node.args[0], [node]
+    decomposed_silu = _match_decomposed_silu(node)
+    if decomposed_silu is not None:
+        return "silu", decomposed_silu[0], decomposed_silu[1]
     if gu.is_call(node, aten.relu.default):
         return "relu", node.args[0], [node]
     if gu.is_call(node, aten.gelu.default):
@@ -210,21 +249,32 @@ def match_activation(node: Any) -> Optional[tuple[str, fx.Node, list[fx.Node]]]:
 
 # Elementwise ops that may sit between a frozen weight and its use and are folded at compile time (Gemma's
 # `1 + w.float()`).
+_CONVERT_ELEMENT_TYPE = torch.ops.prims.convert_element_type.default
 _FOLDABLE = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.mul.Tensor, aten._to_copy.default,
-             aten.view.default, aten.alias.default, aten.clone.default}
+             _CONVERT_ELEMENT_TYPE, aten.view.default, aten.alias.default, aten.clone.default}
+
+
+def cast_dtype(node: Any) -> Optional[torch.dtype]:
+    """The dtype a dtype-only cast converts to, else None. Casts are `_to_copy` (`.to(dtype)`; `type_as` also
+    spells out layout and device, which must stay what they were) or, in Inductor's graphs,
+    `prims.convert_element_type`."""
+    if gu.is_call(node, _CONVERT_ELEMENT_TYPE) and len(node.args) == 2 and not node.kwargs:
+        return node.args[1]
+    if not gu.is_call(node, aten._to_copy.default) or "dtype" not in node.kwargs or len(node.args) != 1:
+        return None
+    src = gu.val(node.args[0])
+    if set(node.kwargs) - {"dtype", "layout", "device"}:
+        return None
+    if node.kwargs.get("layout") not in (None, torch.strided):
+        return None
+    device = node.kwargs.get("device")
+    if device is not None and not (isinstance(src, torch.Tensor) and torch.device(device) == src.device):
+        return None
+    return node.kwargs["dtype"]
 
 
 def is_dtype_cast(node: Any) -> bool:
-    """`_to_copy` that changes the dtype only (layout and device, if spelled out, stay what they were)."""
-    if not gu.is_call(node, aten._to_copy.default) or "dtype" not in node.kwargs or len(node.args) != 1:
-        return False
-    src = gu.val(node.args[0])
-    if set(node.kwargs) - {"dtype", "layout", "device"}:
-        return False
-    if node.kwargs.get("layout") not in (None, torch.strided):
-        return False
-    device = node.kwargs.get("device")
-    return device is None or (isinstance(src, torch.Tensor) and torch.device(device) == src.device)
+    return cast_dtype(node) is not None
 
 
 def fold_constant(gm: fx.GraphModule, node: Any, depth: int = 6) -> Optional[torch.Tensor]:
@@ -236,11 +286,12 @@ def fold_constant(gm: fx.GraphModule, node: Any, depth: int = 6) -> Optional[tor
         return constant
     if depth == 0 or not gu.is_call(node, *_FOLDABLE):
         return None
-    kwargs = dict(node.kwargs)
-    if node.target is aten._to_copy.default:
-        if not is_dtype_cast(node):
+    if node.target in (aten._to_copy.default, _CONVERT_ELEMENT_TYPE):
+        dtype = cast_dtype(node)
+        if dtype is None:
             return None  # only dtype casts: a device or layout change is not a constant fold
-        kwargs = {"dtype": kwargs["dtype"]}
+        value = fold_constant(gm, node.args[0], depth - 1)
+        return None if value is None else value.to(dtype)
     args = []
     for arg in node.args:
         if isinstance(arg, fx.Node):
@@ -252,7 +303,7 @@ def fold_constant(gm: fx.GraphModule, node: Any, depth: int = 6) -> Optional[tor
             args.append(arg)
         else:
             return None
-    return node.target(*args, **kwargs)
+    return node.target(*args, **node.kwargs)
 
 
 def constant_inputs_of(node: fx.Node) -> list[fx.Node]:

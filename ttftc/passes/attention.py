@@ -211,6 +211,28 @@ def _check_heads(q: fx.Node, kv: fx.Node, repeat: int, broadcast_heads: Any, wha
 # -- the pass --------------------------------------------------------------------------------------------------------
 
 
+def _decomposed_softmax(node: Any) -> Optional[tuple[fx.Node, list[fx.Node], int]]:
+    """exp(x - amax(x, d)) / sum(exp(x - amax(x, d)), d), softmax as Inductor's decompositions spell it:
+    (x, the nodes computing it, d), or None."""
+    if not (gu.is_call(node, aten.div.Tensor) and len(node.args) == 2 and not node.kwargs):
+        return None
+    exp, total = node.args
+    if not (gu.is_call(exp, aten.exp.default) and gu.is_call(total, aten.sum.dim_IntList) and total.args[0] is exp):
+        return None
+    shifted = exp.args[0]
+    if not (gu.is_call(shifted, aten.sub.Tensor) and gu.is_call(shifted.args[1], aten.amax.default)):
+        return None
+    x, row_max = shifted.args
+    if row_max.args[0] is not x:
+        return None
+    dims, max_dims = list(total.args[1]), list(row_max.args[1])
+    keeps = (total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False),
+             row_max.args[2] if len(row_max.args) > 2 else row_max.kwargs.get("keepdim", False))
+    if len(dims) != 1 or dims != max_dims or not all(keeps) or total.kwargs.get("dtype") is not None:
+        return None
+    return x, [node, total, exp, shifted, row_max], dims[0]
+
+
 @register_pass
 class AttentionPass(GraphPass):
     name = "attention"
@@ -230,7 +252,7 @@ class AttentionPass(GraphPass):
         for _ in range(12):
             if not isinstance(node, fx.Node):
                 return False
-            if gu.is_call(node, *_SOFTMAX):
+            if gu.is_call(node, *_SOFTMAX) or _decomposed_softmax(node) is not None:
                 return True
             if node.op != "call_function" or not node.args:
                 return False
@@ -283,8 +305,10 @@ class AttentionPass(GraphPass):
             o = gu.val(out)
             if not isinstance(o, torch.Tensor) or o.dtype != q.dtype or not _same_shape(o.shape, expected):
                 raise Reject(f"the attention result {out.name} is not [B, Hq, Sq, Dv] in the query dtype")
+        inside = set(plan.region)
         for node in plan.region:
-            if len(node.users) != 1:
+            # One reader, or several that are all part of the pattern (a decomposed softmax reads exp twice).
+            if len(node.users) != 1 and not all(user in inside for user in node.users):
                 raise Reject(
                     f"the attention scores/probabilities ({node.name}) have other users (output_attentions?)"
                 )
@@ -326,14 +350,15 @@ class AttentionPass(GraphPass):
             if gu.is_call(node, aten.mul.Tensor) and any(gu.is_call(a, *bernoulli) for a in node.args):
                 raise Reject("dropout with p > 0 on the attention probabilities")
             break
-        if not gu.is_call(node, *_SOFTMAX):
+        decomposed = _decomposed_softmax(node)
+        if not gu.is_call(node, *_SOFTMAX) and decomposed is None:
             source = gu.op_label(node.target) if node.op == "call_function" else node.name
             raise Reject(f"the probabilities come from {source}, not a softmax")
-        softmax = node
-        if _norm_dim(softmax.args[1], len(_shape(softmax))) != len(_shape(softmax)) - 1:
+        softmax_input, softmax_nodes, softmax_dim = decomposed or (node.args[0], [node], node.args[1])
+        if _norm_dim(softmax_dim, len(_shape(node))) != len(_shape(node)) - 1:
             raise Reject("softmax is not over the key dimension")
-        region.append(softmax)
-        node = softmax.args[0]
+        region += softmax_nodes
+        node = softmax_input
         while gu.is_call(node, *_CASTS):
             region.append(node)
             node = node.args[0]

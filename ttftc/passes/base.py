@@ -6,12 +6,14 @@ cannot prove a match safe leaves the graph alone, so a guard errs on the side of
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Iterable, Optional
 
 import torch.fx as fx
@@ -26,6 +28,7 @@ class PassStats:
     matched: int = 0
     rejections: list[str] = field(default_factory=list)
     error: Optional[str] = None
+    decisions: list[str] = field(default_factory=list)  # what the pass chose for the whole graph, and why
 
     def reject(self, reason: str) -> None:
         self.rejections.append(reason)
@@ -34,6 +37,7 @@ class PassStats:
         self.candidates += other.candidates
         self.matched += other.matched
         self.rejections.extend(other.rejections)
+        self.decisions.extend(other.decisions)
         if other.error:
             self.error = f"{self.error}; {other.error}" if self.error else other.error
 
@@ -55,7 +59,7 @@ class GraphPass(ABC):
 
     def uuid(self) -> str:
         source = inspect.getsource(sys.modules[type(self).__module__])
-        payload = source + json.dumps(self.options(), sort_keys=True, default=str)
+        payload = source + _shared_helpers_hash() + json.dumps(self.options(), sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     # -- the three parts of a pass -----------------------------------------------------------------------
@@ -85,3 +89,14 @@ class GraphPass(ABC):
         gm.graph.lint()
         gm.recompile()
         return self.stats
+
+
+@functools.cache
+def _shared_helpers_hash() -> str:
+    """Passes build on shared helper modules (graph_utils and the `_`-prefixed matchers and rewrites), whose
+    source decides what a pass emits as much as the pass's own module does."""
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([package / "graph_utils.py", *package.glob("_*.py")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()

@@ -14,8 +14,6 @@ row-preserving views only, the multiply does not broadcast, and no intermediate 
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Union
@@ -23,7 +21,6 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.fx as fx
 
-from ttftc.passes import _linear
 from ttftc.passes import graph_utils as gu
 from ttftc.passes._linear import (
     LinearMatch,
@@ -90,10 +87,6 @@ def _looks_gated(node) -> bool:
 class FfnPass(GraphPass):
     name = "ffn"
     order = 20
-
-    def options(self) -> dict:
-        # The shared matchers live in another module; their source must join this pass's uuid too.
-        return {"matchers": hashlib.sha256(inspect.getsource(_linear).encode()).hexdigest()[:16]}
 
     # -- find ---------------------------------------------------------------------------------------------
     def find(self, gm: fx.GraphModule) -> Iterable[Match]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterable, Optional
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch.fx.operator_schemas import normalize_function
 
 aten = torch.ops.aten
 
@@ -74,12 +76,58 @@ def _to_meta(arg: Any) -> Any:
 
 def call(gm: fx.GraphModule, target, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:
     """Insert `target(*args, **kwargs)` at the graph's current insert point, with `meta["val"]` filled in."""
-    kwargs = kwargs or {}
-    node = gm.graph.call_function(target, tuple(args), dict(kwargs))
-    fake_mode = fake_mode_of(gm)
-    with fake_mode:
-        node.meta["val"] = target(*_to_meta(args), **_to_meta(kwargs))
+    node = gm.graph.call_function(target, tuple(args), dict(kwargs or {}))
+    refresh_meta(gm, node)
     return node
+
+
+def refresh_meta(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Recompute `node.meta["val"]` from its (possibly new) target, e.g. after retargeting it."""
+    with fake_mode_of(gm):
+        node.meta["val"] = node.target(*_to_meta(node.args), **_to_meta(node.kwargs))
+
+
+def inline_function(gm: fx.GraphModule, node: fx.Node, fn, decompositions: Optional[dict] = None) -> None:
+    """Replace `node` by the graph of `fn(*node.args, **node.kwargs)`, traced on the meta values of its tensor
+    arguments (custom ops `fn` calls stay single nodes). A tuple result re-points the node's getitem users."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    flat, spec = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
+
+    def traced(*values):
+        filled = list(flat)
+        for i, value in zip(positions, values):
+            filled[i] = value
+        args, kwargs = torch.utils._pytree.tree_unflatten(filled, spec)
+        out = fn(*args, **kwargs)
+        return tuple(out) if isinstance(out, tuple) else out  # a named tuple would be traced as a constructor call
+
+    with fake_mode_of(gm):
+        sub = make_fx(traced, decomposition_table=decompositions)(*[flat[i].meta["val"] for i in positions])
+    env: dict[fx.Node, Any] = {}
+    inputs = iter(flat[i] for i in positions)
+    result: Any = None
+    with gm.graph.inserting_before(node):
+        for sub_node in sub.graph.nodes:
+            if sub_node.op == "placeholder":
+                env[sub_node] = next(inputs)
+            elif sub_node.op == "output":
+                result = fx.map_arg(sub_node.args[0], lambda n: env[n])
+            elif sub_node.op == "get_attr":  # a constant the trace made (a scalar tensor): keep it on gm
+                env[sub_node] = add_constant(gm, sub_node.target, getattr(sub, sub_node.target))
+            else:
+                env[sub_node] = gm.graph.node_copy(sub_node, lambda n: env[n])
+    if isinstance(result, (list, tuple)):
+        for index, users in getitem_users(node).items():
+            for user in users:
+                if index < 0:
+                    raise ValueError(f"{node.name} returns a tuple but {user.name} reads it whole")
+                user.replace_all_uses_with(result[index])
+                gm.graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(result)
+    gm.graph.erase_node(node)
 
 
 def add_constant(gm: fx.GraphModule, name_hint: str, tensor: torch.Tensor) -> fx.Node:
@@ -206,3 +254,31 @@ def op_label(target) -> str:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return f"{target._qualified_op_name.replace('::', '.')}"
     return getattr(target, "__name__", str(target))
+
+
+def bound_arguments(node: fx.Node) -> Optional[dict]:
+    """All arguments of an op node by schema name (defaults filled in), or None if they do not bind."""
+    norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
+    if norm is None:
+        return None
+    bound = dict(norm.kwargs)
+    for arg in node.target._schema.arguments:
+        if arg.name not in bound and arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def getitem_users(node: fx.Node) -> dict[int, list[fx.Node]]:
+    result: dict[int, list[fx.Node]] = {}
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem:
+            result.setdefault(int(user.args[1]), []).append(user)
+        else:
+            result.setdefault(-1, []).append(user)
+    return result
+
+
+def dtype_of(node: Any) -> Optional[torch.dtype]:
+    value = val(node)
+    return value.dtype if isinstance(value, torch.Tensor) else None
+

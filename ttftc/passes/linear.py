@@ -46,7 +46,7 @@ class LinearPass(GraphPass):
         match: LinearMatch = match_linear(gm, node)
         with gm.graph.inserting_before(node):
             # Conv1D stores [K, N]: hand the op a transposed view of it rather than a copy.
-            w = match.weight_node or gu.call(gm, aten.t.default, (node.args[-1],))
+            w = match.weight_node or gu.call(gm, aten.permute.default, (node.args[-1], [1, 0]))
             new = gu.call(gm, torch.ops.ttftc.linear.default, (match.x, w, match.bias_node))
         if not gu.tensor_meta_matches(new.meta["val"], node.meta["val"]):
             raise RuntimeError(f"linear replacement changed {node.name}'s shape or dtype")

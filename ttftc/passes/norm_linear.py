@@ -16,8 +16,6 @@ elsewhere, and that the views downstream of each column slice accept its strides
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -65,8 +63,9 @@ class NormMatch:
 
 
 def _is_cast(node: Any, dtype: Optional[torch.dtype] = None) -> bool:
-    """A dtype-only `_to_copy` (`.to(dtype)`, or `type_as`, which also spells out layout and device)."""
-    return _linear.is_dtype_cast(node) and (dtype is None or node.kwargs["dtype"] == dtype)
+    """A dtype-only cast (see _linear.cast_dtype), to `dtype` if given."""
+    cast_to = _linear.cast_dtype(node)
+    return cast_to is not None and (dtype is None or cast_to == dtype)
 
 
 def _other_operand(mul: fx.Node, known: fx.Node) -> Any:
@@ -76,13 +75,28 @@ def _other_operand(mul: fx.Node, known: fx.Node) -> Any:
     return b if a is known else a if b is known else None
 
 
+def _other_operand_of_add(add: Any, known: fx.Node) -> Any:
+    if not gu.is_call(add, aten.add.Tensor) or add.kwargs:
+        return None
+    a, b = add.args
+    return b if a is known else a if b is known else None
+
+
+def _variance_of(rsqrt: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(var, var_mean) when rsqrt reads var + eps with var = var_mean(...)[0]; None otherwise."""
+    add_eps = rsqrt.args[0]
+    if not gu.is_call(add_eps, aten.add.Tensor, aten.add.Scalar) or add_eps.kwargs:
+        return None
+    for var in add_eps.args:
+        if gu.is_call(var, operator.getitem) and var.args[1] == 0 and gu.is_call(var.args[0], aten.var_mean.correction):
+            return var, var.args[0]
+    return None
+
+
 @register_pass
 class NormLinearPass(GraphPass):
     name = "norm_linear"
     order = 30
-
-    def options(self) -> dict:
-        return {"matchers": hashlib.sha256(inspect.getsource(_linear).encode()).hexdigest()[:16]}
 
     def find(self, gm: fx.GraphModule) -> Iterable[NormMatch]:
         for node in gm.graph.nodes:
@@ -91,7 +105,9 @@ class NormLinearPass(GraphPass):
 
     # -- guard --------------------------------------------------------------------------------------------
     def guard(self, gm: fx.GraphModule, m: NormMatch) -> Optional[str]:
-        if gu.is_call(m.anchor, aten.rsqrt.default):
+        if gu.is_call(m.anchor, aten.rsqrt.default) and _variance_of(m.anchor) is not None:
+            reason = self._parse_decomposed_layer(gm, m)
+        elif gu.is_call(m.anchor, aten.rsqrt.default):
             reason = self._parse_rms(gm, m)
         else:
             reason = self._parse_layer(gm, m)
@@ -209,6 +225,47 @@ class NormLinearPass(GraphPass):
             return "layer norm: output is read through several getitems"
         m.y = users[0]
         m.internal = {ln, m.y}
+        return None
+
+    def _parse_decomposed_layer(self, gm: fx.GraphModule, m: NormMatch) -> Optional[str]:
+        """LayerNorm as Inductor's decompositions spell it: var_mean, (x - mean) * rsqrt(var + eps) * w + b."""
+        m.kind = "layer"
+        rsqrt = m.anchor
+        add_eps = rsqrt.args[0]
+        var, var_mean = _variance_of(rsqrt)
+        m.eps = gu.scalar(add_eps.args[1] if add_eps.args[0] is var else add_eps.args[0])
+        if m.eps is None:
+            return "layer norm: eps is not a constant"
+        x = var_mean.args[0]
+        x_val = gu.val(x)
+        if not isinstance(x_val, torch.Tensor) or x_val.dtype != torch.float32:
+            return "layer norm: decomposed form on a non-fp32 input"
+        dims = list(var_mean.args[1]) if len(var_mean.args) > 1 else []
+        if (var_mean.kwargs.get("correction") != 0 or not var_mean.kwargs.get("keepdim")
+                or dims not in ([-1], [x_val.dim() - 1])):
+            return "layer norm: var_mean is not the biased variance over the last dimension"
+        items = {int(u.args[1]): u for u in var_mean.users if gu.is_call(u, operator.getitem)}
+        if len(items) != 2 or len(var_mean.users) != 2 or items[0] is not var:
+            return "layer norm: var_mean's results are read elsewhere"
+        centred = gu.only_user(items[1])
+        if not (gu.is_call(centred, aten.sub.Tensor) and centred.args == (x, items[1])):
+            return "layer norm: the mean is not subtracted from x"
+        normed = gu.only_user(rsqrt)
+        if normed is None or _other_operand(normed, rsqrt) is not centred or len(centred.users) != 1:
+            return "layer norm: rsqrt is not multiplied into x - mean (or is read elsewhere)"
+        weight_mul = gu.only_user(normed)
+        w_node = _other_operand(weight_mul, normed) if weight_mul is not None else None
+        weight = gu.constant_value(gm, w_node)
+        if weight is None:
+            return "layer norm: weight is not a frozen constant"
+        m.x, m.norm_w, m.norm_w_node = x, weight, w_node
+        m.internal = {var_mean, var, items[1], add_eps, rsqrt, centred, normed, weight_mul}
+        m.y = weight_mul
+        bias_add = gu.only_user(weight_mul)
+        b_node = _other_operand_of_add(bias_add, weight_mul)
+        if b_node is not None and gu.constant_value(gm, b_node) is not None:
+            m.norm_b_node, m.y = b_node, bias_add
+            m.internal.add(bias_add)
         return None
 
     def _find_residual(self, m: NormMatch) -> None:

@@ -138,18 +138,30 @@ register_space(with_thread_axis(SearchSpace(
 )))
 
 
-@register_lowering("attention", "cpu", unsupported_reason=_unsupported_reason, priority=10)
+def _flash_layout_fake(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, tuning_config=None):
+    """The output layout of this lowering: [B, H, S, D] stored as [B, S, H, D], the flash kernel's own (so the
+    transpose back to [B, S, H*D] that every model does next is free)."""
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
+
+
+def _in_flash_layout(out: torch.Tensor) -> torch.Tensor:
+    if out.transpose(1, 2).is_contiguous():
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@register_lowering("attention", "cpu", unsupported_reason=_unsupported_reason, priority=10, fake=_flash_layout_fake)
 @honours_num_threads
 def attention_cpu(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, tuning_config=None):
     tuning = {**DEFAULT_TUNING, **(tuning_config or {})}
     params = dict(causal=causal, scale=float(scale), q_offset=int(q_offset), window=int(window), tuning=tuning)
     if kv_len is None:
-        return _attend(q, k, v, **params)
+        return _in_flash_layout(_attend(q, k, v, **params))
     skv = k.shape[2]
     lengths = [max(0, min(int(n), skv)) for n in kv_len.tolist()]
     if all(n == skv for n in lengths):
-        return _attend(q, k, v, **params)
-    out = _zeros_like_out(q, v)
+        return _in_flash_layout(_attend(q, k, v, **params))
+    out = _flash_layout_fake(q, k, v, causal=causal, scale=scale)  # every sequence's rows are written below
     for b, n in enumerate(lengths):
         out[b : b + 1] = _attend(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], **params)
     return out

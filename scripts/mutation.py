@@ -1,0 +1,240 @@
+"""Mutation testing (mutmut 3) of the modules where a silent numeric or scheduling bug costs most. Not part of CI.
+
+    python3 scripts/mutation.py                      # every group, one after another
+    python3 scripts/mutation.py scheduler buckets    # some groups
+    python3 scripts/mutation.py --list               # the groups, their modules and test files
+    python3 scripts/mutation.py --report             # the score table of the runs so far, without running
+    python3 scripts/mutation.py --retest-survivors scheduler   # after adding tests: retry the survivors only
+
+Each group mutates its modules and runs only its matching test files (the quick ones: `-m "not slow"`), so a
+mutant is judged by the tests written for its module, not by whole-model tests that happen to execute it.
+mutmut runs in a scratch copy of the repository (TTFTC_MUTATION_DIR, default /tmp/ttftc-mutation/<group>), never
+in the checkout; a second run resumes there and only tries mutants without a result (--fresh starts over).
+Workers: TTFTC_MUTATION_JOBS (default 1; the machine is shared).
+
+The [tool.mutmut] section of pyproject.toml holds the shared settings and, in only_mutate and
+pytest_add_cli_args_test_selection, the union of the groups below (tests/test_mutation_config.py checks that).
+
+Score per module: killed / (mutants - equivalent). A mutant is equivalent when no test can tell it from the
+original (the same behaviour by another route); scripts/mutation_equivalent.toml lists each such mutant with the
+reason, and the report flags entries that no longer match a surviving mutant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EQUIVALENT_FILE = REPO / "scripts" / "mutation_equivalent.toml"
+_COPY_IGNORE = shutil.ignore_patterns(".git", "mutants", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info",
+                                      "out*", ".benchmarks")
+
+
+@dataclass(frozen=True)
+class Group:
+    modules: tuple[str, ...]  # only_mutate globs, relative to the repository
+    tests: tuple[str, ...]  # the test files that are meant to catch a bug in those modules
+
+
+GROUPS: dict[str, Group] = {
+    "cpu-kernels": Group(
+        ("ttftc/codegen/cpu/*.py",),
+        ("tests/codegen/test_attention_cpu.py", "tests/codegen/test_linear_cpu.py", "tests/codegen/test_ffn_cpu.py",
+         "tests/codegen/test_norm_linear_cpu.py", "tests/codegen/test_int8_cpu.py",
+         "tests/autotune/test_cpu_threads.py"),
+    ),
+    "triton-attention": Group(
+        ("ttftc/codegen/triton/attention.py",),
+        ("tests/codegen/test_attention_triton.py", "tests/autotune/test_triton_attention_tuning.py"),
+    ),
+    "precision": Group(
+        ("ttftc/passes/precision.py", "ttftc/passes/_bf16_rewrite.py", "ttftc/passes/_w8a8_rewrite.py",
+         "ttftc/passes/_quant_patterns.py", "ttftc/passes/_module_names.py", "ttftc/passes/_precision_common.py"),
+        ("tests/passes/test_precision.py", "tests/passes/test_precision_policy.py"),
+    ),
+    "attention-mask": Group(
+        ("ttftc/passes/_attention_mask.py",),
+        ("tests/passes/test_attention.py",),
+    ),
+    "buckets": Group(
+        ("ttftc/buckets/*.py",),
+        ("tests/buckets/test_plan.py", "tests/runtime/test_bucketed.py"),
+    ),
+    "scheduler": Group(
+        ("ttftc/runtime/scheduler.py",),
+        ("tests/runtime/test_sessions_and_scheduler.py",),
+    ),
+    "prefix-cache": Group(
+        ("ttftc/runtime/prefix_cache.py",),
+        ("tests/runtime/test_prefix_cache.py",),
+    ),
+    "graph-format": Group(
+        ("ttftc/cache/graph_format.py",),
+        ("tests/cache/test_graph_format.py",),
+    ),
+}
+
+
+def shared_settings() -> dict:
+    """[tool.mutmut] of pyproject.toml, without the two lists each group sets for itself."""
+    settings = dict(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"])
+    settings.pop("only_mutate", None)
+    settings.pop("pytest_add_cli_args_test_selection", None)
+    return settings
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+
+
+def group_config(group: Group) -> str:
+    settings = {**shared_settings(), "only_mutate": list(group.modules),
+                "pytest_add_cli_args_test_selection": list(group.tests)}
+    return "[tool.mutmut]\n" + "".join(f"{key} = {_toml_value(value)}\n" for key, value in settings.items())
+
+
+def _with_group_config(pyproject: str, group: Group) -> str:
+    """pyproject.toml text with its [tool.mutmut] table replaced by the group's."""
+    lines, out, skipping = pyproject.splitlines(keepends=True), [], False
+    for line in lines:
+        if line.strip().startswith("["):
+            skipping = line.strip() == "[tool.mutmut]"
+        if not skipping:
+            out.append(line)
+    return "".join(out).rstrip("\n") + "\n\n" + group_config(group)
+
+
+def workdir(name: str) -> Path:
+    return Path(os.environ.get("TTFTC_MUTATION_DIR", "/tmp/ttftc-mutation")) / name
+
+
+def prepare(name: str, fresh: bool) -> Path:
+    """The group's scratch copy of the repository, refreshed from the checkout (mutmut's results are kept)."""
+    root = workdir(name)
+    if fresh and root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in REPO.iterdir():
+        if _COPY_IGNORE(str(REPO), [entry.name]):
+            continue
+        target = root / entry.name
+        if entry.is_dir():
+            shutil.copytree(entry, target, ignore=_COPY_IGNORE, dirs_exist_ok=True)
+        else:
+            shutil.copy2(entry, target)
+    pyproject = root / "pyproject.toml"
+    pyproject.write_text(_with_group_config(pyproject.read_text(), GROUPS[name]))
+    return root
+
+
+def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool) -> int:
+    root = prepare(name, fresh)
+    mutmut = shutil.which("mutmut") or str(Path(sys.executable).with_name("mutmut"))
+    env = {**os.environ, "PYTHONPATH": ""}  # the copy, not the checkout, is what the tests import
+    # mutmut keeps a result until the mutated function changes; after new tests, name the survivors to retry them.
+    again = [m for statuses in results(name).values() for m, s in statuses.items() if s == "survived"] \
+        if retest_survivors else []
+    print(f"== {name}: mutmut in {root}" + (f", retrying {len(again)} survivors" if again else ""), flush=True)
+    if retest_survivors and not again:
+        return 0
+    return subprocess.call([mutmut, "run", "--max-children", str(jobs), *again], cwd=root, env=env)
+
+
+# -- the report ----------------------------------------------------------------------------------------------
+
+
+def _status(exit_code) -> str:
+    from mutmut.stats import status_by_exit_code
+
+    return status_by_exit_code[exit_code]
+
+
+def results(name: str) -> dict[str, dict[str, str]]:
+    """module path -> mutant name -> status, from the group's mutmut metadata."""
+    found: dict[str, dict[str, str]] = {}
+    mutants = workdir(name) / "mutants"
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        module = str(meta.relative_to(mutants))[: -len(".meta")]
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        if codes:
+            found[module] = {mutant: _status(code) for mutant, code in codes.items()}
+    return found
+
+
+def equivalent_mutants() -> dict[str, str]:
+    """mutant name -> why it is equivalent."""
+    if not EQUIVALENT_FILE.exists():
+        return {}
+    return {name: entry["reason"] for name, entry in tomllib.loads(EQUIVALENT_FILE.read_text()).items()}
+
+
+def report(names) -> int:
+    equivalent = equivalent_mutants()
+    seen: set[str] = set()
+    below = 0
+    header = f"{'module':48} {'mutants':>7} {'killed':>6} {'survived':>8} {'no test':>7} {'timeout':>7} {'equiv':>5} {'score':>6}"
+    print(header)
+    for name in names:
+        for module, statuses in results(name).items():
+            counts = Counter(statuses.values())
+            equiv = sum(1 for mutant, status in statuses.items() if mutant in equivalent and status != "killed")
+            seen.update(m for m in statuses if m in equivalent and statuses[m] != "killed")
+            detected = counts["killed"] + counts["timeout"] + counts["segfault"] + counts["caught by type check"]
+            judged = len(statuses) - equiv
+            score = detected / judged if judged else 1.0
+            below += score < 0.85
+            print(f"{module:48} {len(statuses):7} {counts['killed']:6} {counts['survived']:8} {counts['no tests']:7} "
+                  f"{counts['timeout']:7} {equiv:5} {score:6.1%}")
+            undecided = sorted(m for m, s in statuses.items() if s not in ("killed", "timeout") and m not in equivalent)
+            for mutant in undecided:
+                print(f"    {statuses[mutant]:10} {mutant}")
+    stale = sorted(set(equivalent) - seen)
+    if stale:
+        print("listed as equivalent but not a surviving mutant of these runs (killed, renamed or not run):")
+        for mutant in stale:
+            print(f"    {mutant}")
+    return 1 if below else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("groups", nargs="*", metavar="GROUP", help=f"one of {', '.join(GROUPS)} (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the groups and exit")
+    parser.add_argument("--report", action="store_true", help="print the scores of earlier runs and exit")
+    parser.add_argument("--fresh", action="store_true", help="drop earlier results of these groups first")
+    parser.add_argument("--retest-survivors", action="store_true",
+                        help="run the surviving mutants of earlier runs again (after adding tests)")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.groups) - set(GROUPS))
+    if unknown:
+        parser.error(f"unknown group(s) {unknown}; the groups are {', '.join(GROUPS)}")
+    names = args.groups or list(GROUPS)
+    if args.list:
+        for name in names:
+            print(f"{name}: {' '.join(GROUPS[name].modules)}\n    tests: {' '.join(GROUPS[name].tests)}")
+        return 0
+    if not args.report:
+        jobs = int(os.environ.get("TTFTC_MUTATION_JOBS", "1"))
+        for name in names:
+            if run_group(name, jobs, args.fresh, args.retest_survivors) != 0:
+                print(f"mutmut failed for group {name}", file=sys.stderr)
+    return report(names)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""What the machine can do fast, probed once per process: native bf16, int8 dot products (VNNI), AMX.
+
+The precision policy (`precision="auto"`) and the CPU lowerings decide from this, never from where ttftc was
+developed: on a CPU without bf16 instructions oneDNN still runs bf16 GEMMs, emulated, at a fraction of fp32 speed
+(measured: 63 GFLOP/s bf16 against 333 fp32 on an Intel Xeon without avx512_bf16 or AMX), while on one with them
+bf16 runs about 2x fp32.
+
+Native bf16 is decided by the CPU flags when they settle it (avx512_bf16 or amx_bf16 on x86, bf16 on Arm). When
+they do not (oneDNN says it can run bf16 but no bf16 instruction is listed, or the flags cannot be read), a small
+GEMM is timed in both dtypes and bf16 counts as native only when it is faster. $TTFTC_NATIVE_BF16 (0 or 1)
+overrides the answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# Overrides the probe's answer ("0" or "1"): for a machine the probe gets wrong, and for tests that must not
+# depend on the CPU they run on.
+NATIVE_BF16_ENV = "TTFTC_NATIVE_BF16"
+# A bf16 GEMM must beat fp32 by this much in the timing probe to count as native (emulation is 3-5x slower).
+NATIVE_SPEEDUP = 1.2
+_PROBE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    device: str  # "cpu" | "cuda" | "npu"
+    name: str  # CPU model or accelerator name
+    native_bf16: bool
+    bf16_evidence: str  # why native_bf16 is what it is, for explain
+    int8_dot: bool  # VNNI-class int8 dot-product instructions (x86 avx512_vnni/avx_vnni/amx_int8, Arm i8mm/dotprod)
+    amx: bool
+    flags: tuple[str, ...] = ()  # the flags among those ttftc looks at
+
+    def describe(self) -> str:
+        flags = ",".join(self.flags) or "none of avx512_bf16/amx/vnni"
+        return (f"{self.device} {self.name}: native bf16 {'yes' if self.native_bf16 else 'no'} ({self.bf16_evidence}); "
+                f"int8 dot {'yes' if self.int8_dot else 'no'}; AMX {'yes' if self.amx else 'no'}; flags {flags}")
+
+
+_WATCHED_FLAGS = ("avx512_bf16", "amx_bf16", "amx_int8", "amx_tile", "avx512_vnni", "avx_vnni", "avx512f",
+                  "bf16", "i8mm", "asimddp")
+
+
+def _cpu_flags_and_name() -> tuple[Optional[set[str]], str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None, platform.processor() or platform.machine()
+    flags: Optional[set[str]] = None
+    name = platform.machine()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("flags", "Features") and flags is None:
+            flags = set(value.split())
+        elif key in ("model name", "Model name") and name == platform.machine():
+            name = value.strip()
+    return flags, name
+
+
+def _gemm_seconds(dtype: torch.dtype, repeats: int = 5) -> float:
+    a = torch.randn(_PROBE_SIZE, _PROBE_SIZE).to(dtype)
+    b = torch.randn(_PROBE_SIZE, _PROBE_SIZE).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def measured_bf16_speedup() -> float:
+    """fp32 GEMM time / bf16 GEMM time at 512^3 on this CPU (above 1: bf16 is faster), measured once."""
+    return _gemm_seconds(torch.float32) / _gemm_seconds(torch.bfloat16)
+
+
+def _cpu() -> Capabilities:
+    flags, name = _cpu_flags_and_name()
+    watched = tuple(f for f in _WATCHED_FLAGS if flags and f in flags)
+    onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    override = os.environ.get(NATIVE_BF16_ENV)
+    if override in ("0", "1"):
+        native, evidence = override == "1", f"set by {NATIVE_BF16_ENV}={override}"
+    elif flags is not None and ({"avx512_bf16", "amx_bf16", "bf16"} & flags):
+        native, evidence = True, "bf16 instructions in the CPU flags"
+    elif flags is not None and not onednn_bf16:
+        native, evidence = False, "no bf16 instructions in the CPU flags, and oneDNN has no bf16 path"
+    else:
+        speedup = measured_bf16_speedup()
+        native = speedup >= NATIVE_SPEEDUP
+        evidence = (f"flags inconclusive; measured bf16 GEMM {speedup:.2f}x fp32 at {_PROBE_SIZE}^3 "
+                    f"(native needs >= {NATIVE_SPEEDUP}x)")
+    int8_dot = bool(flags and {"avx512_vnni", "avx_vnni", "amx_int8", "i8mm", "asimddp"} & flags)
+    amx = bool(flags and {"amx_tile", "amx_bf16", "amx_int8"} & flags)
+    return Capabilities("cpu", name, native, evidence, int8_dot, amx, watched)
+
+
+def _cuda() -> Capabilities:
+    name = torch.cuda.get_device_name()
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    major, _ = torch.cuda.get_device_capability()
+    return Capabilities("cuda", name, native, "torch.cuda.is_bf16_supported", major >= 7, False)
+
+
+@functools.cache
+def probe(device: str = "cpu") -> Capabilities:
+    """The capabilities of `device` ("cpu", "cuda", "npu"), probed once per process."""
+    if device == "cuda" and torch.cuda.is_available():
+        return _cuda()
+    if device == "npu":
+        # Ascend 910B-class NPUs compute bf16 natively; torch_npu has no finer probe.
+        return Capabilities("npu", "Ascend", True, "Ascend NPUs compute bf16 natively", True, False)
+    return _cpu()

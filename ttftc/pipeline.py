@@ -1,0 +1,45 @@
+"""The graph pipeline both code generators share: passes, then lowering, then the explain report.
+
+The eager code generator runs it on the aten graph ttftc captured itself; the Inductor code generator runs it as
+Inductor's post-grad custom pass. Either way the same pass objects see the graph, make the same decisions and
+fill the same Report; only the form of a lowered node differs (a Python function, or the lowering's own op).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ttftc.codegen import lowering
+from ttftc.config import Config
+from ttftc.passes.graph_utils import op_histogram
+from ttftc.passes.manager import PassManager
+from ttftc.report import Report, graph_flops, make_report
+
+
+def run_pipeline(gm: fx.GraphModule, config: Config, *, autotune_cache=None, as_ops: bool = False,
+                 notes: Optional[list[str]] = None) -> Report:
+    """Rewrite `gm` in place: every enabled pass in order, then each ttftc op to its chosen lowering."""
+    notes = list(notes or [])
+    if _has_symbolic_inputs(gm):
+        notes.append("compiled with symbolic sizes: a new prompt length reuses this graph")
+    ops_before = op_histogram(gm)
+    manager = PassManager(config)
+    stats = manager.run(gm)
+    ops_after = op_histogram(gm)
+    flops = graph_flops(gm)
+    decisions = lowering.lower_graph(gm, provider=config.provider, autotune=config.autotune,
+                                     autotune_cache=autotune_cache, as_ops=as_ops)
+    return make_report(stats, ops_before, ops_after, decisions, flops, {p.name: p.uuid() for p in manager.passes},
+                       notes)
+
+
+def _has_symbolic_inputs(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt) or (
+                isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)):
+            return True
+    return False
