@@ -28,6 +28,9 @@ import torch
 NATIVE_BF16_ENV = "TTFTC_NATIVE_BF16"
 # A bf16 GEMM must beat fp32 by this much in the timing probe to count as native (emulation is 3-5x slower).
 NATIVE_SPEEDUP = 1.2
+# Attention runs in bf16 only when its kernel beats fp32 by this much: the casts around it cost a pass over q, k, v
+# and the output (ATen's CPU flash kernel measured 0.95-1.06x fp32 in bf16 on an AMD EPYC with avx512_bf16).
+ATTENTION_SPEEDUP = 1.1
 _PROBE_SIZE = 512
 
 
@@ -40,11 +43,22 @@ class Capabilities:
     int8_dot: bool  # VNNI-class int8 dot-product instructions (x86 avx512_vnni/avx_vnni/amx_int8, Arm i8mm/dotprod)
     amx: bool
     flags: tuple[str, ...] = ()  # the flags among those ttftc looks at
+    # fp32 time / bf16 time of the attention kernel, measured where bf16 is native; None where not measured.
+    bf16_attention_speedup: Optional[float] = None
+
+    @property
+    def bf16_attention(self) -> bool:
+        """Whether attention is worth running in bf16: native bf16, and (where measured) a faster kernel."""
+        speedup = self.bf16_attention_speedup
+        return self.native_bf16 and (speedup is None or speedup >= ATTENTION_SPEEDUP)
 
     def describe(self) -> str:
         flags = ",".join(self.flags) or "none of avx512_bf16/amx/vnni"
-        return (f"{self.device} {self.name}: native bf16 {'yes' if self.native_bf16 else 'no'} ({self.bf16_evidence}); "
-                f"int8 dot {'yes' if self.int8_dot else 'no'}; AMX {'yes' if self.amx else 'no'}; flags {flags}")
+        attention = ("" if self.bf16_attention_speedup is None
+                     else f"; bf16 attention {self.bf16_attention_speedup:.2f}x fp32 (measured)")
+        return (f"{self.device} {self.name}: native bf16 {'yes' if self.native_bf16 else 'no'} ({self.bf16_evidence})"
+                f"{attention}; int8 dot {'yes' if self.int8_dot else 'no'}; AMX {'yes' if self.amx else 'no'}; "
+                f"flags {flags}")
 
 
 _WATCHED_FLAGS = ("avx512_bf16", "amx_bf16", "amx_int8", "amx_tile", "avx512_vnni", "avx_vnni", "avx512f",
@@ -86,6 +100,24 @@ def measured_bf16_speedup() -> float:
     return _gemm_seconds(torch.float32) / _gemm_seconds(torch.bfloat16)
 
 
+@functools.cache
+def measured_bf16_attention_speedup() -> float:
+    """fp32 time / bf16 time of the CPU flash-attention kernel (causal, 8 heads x 512 tokens x 64), measured once."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def seconds(dtype: torch.dtype) -> float:
+        q, k, v = (torch.randn(1, 512, 8, 64).to(dtype).transpose(1, 2) for _ in range(3))
+        flash(q, k, v, 0.0, True)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            flash(q, k, v, 0.0, True)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return seconds(torch.float32) / seconds(torch.bfloat16)
+
+
 def _cpu() -> Capabilities:
     flags, name = _cpu_flags_and_name()
     watched = tuple(f for f in _WATCHED_FLAGS if flags and f in flags)
@@ -104,7 +136,8 @@ def _cpu() -> Capabilities:
                     f"(native needs >= {NATIVE_SPEEDUP}x)")
     int8_dot = bool(flags and {"avx512_vnni", "avx_vnni", "amx_int8", "i8mm", "asimddp"} & flags)
     amx = bool(flags and {"amx_tile", "amx_bf16", "amx_int8"} & flags)
-    return Capabilities("cpu", name, native, evidence, int8_dot, amx, watched)
+    attention = measured_bf16_attention_speedup() if native and override is None else None
+    return Capabilities("cpu", name, native, evidence, int8_dot, amx, watched, attention)
 
 
 def _cuda() -> Capabilities:

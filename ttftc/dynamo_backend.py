@@ -6,7 +6,6 @@ with the default Config; `ttftc.backend(Config(...))` gives a configured one.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -41,18 +40,6 @@ class TtftcBackend:
         self.autotune_cache = autotune_cache
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []  # the lowered graphs, for autotune and inspection
-        # Dynamo looks this attribute up on the backend object it is given (an instance attribute, because it
-        # copies the backend's __dict__ into its wrapper, not its class).
-        self.backend_ctx_ctor = self._call_context
-
-    def _call_context(self):
-        """Entered by Dynamo around every call of the compiled model, tracing included (see
-        codegen/inductor_pass.tracing_context for why the Inductor code generator needs it)."""
-        if self.config.codegen == "inductor":
-            from ttftc.codegen.inductor_pass import tracing_context
-
-            return tracing_context()
-        return contextlib.nullcontext()
 
     def report(self) -> Report:
         merged = Report()

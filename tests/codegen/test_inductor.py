@@ -154,3 +154,25 @@ def test_without_freezing_only_weight_free_fusions_apply_and_the_report_says_why
 
 def test_uuid_follows_the_config():
     assert TtftcPostGradPass(ttftc.Config(precision="bf16")).uuid() != TtftcPostGradPass().uuid()
+
+
+def test_a_decomposition_that_fails_to_inline_falls_back_to_the_kernel(monkeypatch):
+    from ttftc.codegen import lowering
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot trace this")
+
+    lowering.load_providers()
+    entries = [e for e in lowering.lowerings_for("gated_ffn") if e.provider != lowering.INLINE]
+    inline = lowering.Lowering("gated_ffn", lowering.INLINE, broken, lambda ctx, *a, **k: None, priority=100)
+    monkeypatch.setitem(lowering._LOWERINGS, "gated_ffn", [inline] + entries)
+
+    def fn(x, w_gate_up, w_down):
+        return torch.ops.ttftc.gated_ffn(x, w_gate_up, w_down, act="silu")
+
+    x, w_gate_up, w_down = torch.randn(5, 8), torch.randn(12, 8), torch.randn(8, 6)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(fn, tracing_mode="fake")(x, w_gate_up, w_down)
+    (decision,) = lowering.lower_graph(gm, provider="auto", autotune=False, as_ops=True)
+    assert decision.provider == "cpu"
+    assert any("inlining raised RuntimeError" in s for s in decision.skipped)
+    torch.testing.assert_close(gm(x, w_gate_up, w_down), fn(x, w_gate_up, w_down))

@@ -53,6 +53,15 @@ def test_auto_runs_gemms_and_attention_in_bf16_where_bf16_is_native(cpu):
     assert cosine > 0.999
 
 
+def test_auto_keeps_attention_in_fp32_where_its_bf16_kernel_is_no_faster(cpu):
+    # Native bf16 GEMMs, but an attention kernel measured no faster in bf16: the casts around it would be a loss.
+    cpu(Capabilities("cpu", "test CPU", True, "mocked", True, False, ("avx512_bf16",), bf16_attention_speedup=1.02))
+    _, _, backend = _compile(ttftc.Config(precision="auto"))
+    assert _input_dtypes(backend, "attention") == {torch.float32}
+    assert _input_dtypes(backend, "gated_ffn") == {torch.bfloat16}
+    assert any("bf16 GEMMs and fp32 attention" in note and "1.02x" in note for note in backend.report().notes)
+
+
 def test_auto_keeps_fp32_where_bf16_is_emulated(cpu):
     cpu(EMULATED)
     actual, expected, backend = _compile(ttftc.Config(precision="auto"))
@@ -120,6 +129,7 @@ def _cpu_with(monkeypatch, flags, onednn_bf16: bool, speedup: float = 1.0):
     monkeypatch.setattr(capabilities, "_cpu_flags_and_name", lambda: (flags, "mock CPU"))
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
     monkeypatch.setattr(capabilities, "measured_bf16_speedup", lambda: speedup)
+    monkeypatch.setattr(capabilities, "measured_bf16_attention_speedup", lambda: 1.5)
     return capabilities.probe("cpu")
 
 

@@ -1,11 +1,13 @@
 """The Inductor code generator: ttftc's passes as Inductor's post-grad custom pass.
 
-`Config(codegen="inductor")` hands Dynamo's graph to Inductor with freezing on. Inductor captures the aten graph,
-folds the frozen weights into constants, runs its own post-grad passes and then `TtftcPostGradPass`: ttftc's
-passes and lowering (ttftc/pipeline.py), the same objects the eager code generator runs. What Inductor gets back
-is an ordinary graph of aten ops and custom ops: each ttftc op is its chosen lowering's op
-(codegen/lowered_ops.py), which Inductor calls as an extern kernel, and the glue between them (RoPE, residual
-adds, casts, per-token quantisation, scale multiplies) is Inductor's to fuse into generated C++ or Triton.
+`Config(codegen="inductor")` hands Dynamo's graph to Inductor with freezing on (the backend first gives the model's
+weights back to the graph module, capture.weights_as_attributes, so that Inductor can freeze them). Inductor
+captures the aten graph, folds the frozen weights into constants, runs its own post-grad passes and then
+`TtftcPostGradPass`: ttftc's passes and lowering (ttftc/pipeline.py), the same objects the eager code generator
+runs. What Inductor gets back is an ordinary graph of aten ops and custom ops: attention and the GEMMs are their
+chosen lowering's op (codegen/lowered_ops.py), which Inductor calls as an extern kernel; the glue-heavy ops are
+inlined as their decompositions (codegen/inductor/), and everything between the kernels (RoPE, residual adds, norms,
+casts, per-token quantisation, scale multiplies) is Inductor's to fuse into generated C++ or Triton.
 
 The pass is also what vLLM loads by name:
 
@@ -28,7 +30,6 @@ from __future__ import annotations
 import hashlib
 from typing import Callable, Optional, Sequence
 
-import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -113,12 +114,3 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence, post_pas
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, list(example_inputs), config_patches=inductor_config_patches(post_pass))
-
-
-def tracing_context():
-    """Entered around every call of a model compiled with the Inductor code generator, before Dynamo traces.
-
-    Dynamo records parameters for Inductor's freezing (and guards on their identity) only when freezing is on
-    while it traces, so the flag must be set then, not just inside the compile.
-    """
-    return torch._inductor.config.patch(freezing=True)

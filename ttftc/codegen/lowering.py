@@ -132,10 +132,10 @@ class LoweringDecision:
     skipped: list[str] = field(default_factory=list)  # "provider: reason" for each provider passed over
 
 
-def choose(op: str, ctx: LoweringContext, args, kwargs) -> tuple[Optional[Lowering], list[str]]:
+def choose(op: str, ctx: LoweringContext, args, kwargs, exclude: tuple[str, ...] = ()) -> tuple[Optional[Lowering], list[str]]:
     skipped = []
     for entry in lowerings_for(op):
-        if ctx.forced_provider is not None and entry.provider != ctx.forced_provider:
+        if (ctx.forced_provider is not None and entry.provider != ctx.forced_provider) or entry.provider in exclude:
             continue
         try:
             reason = entry.unsupported_reason(ctx, *args, **kwargs)
@@ -204,10 +204,19 @@ def lower_graph(gm: fx.GraphModule, *, provider: str, autotune: bool = True,
         if chosen is None:
             decisions.append(LoweringDecision(node.name, op, REFERENCE, skipped))
             continue
-        decisions.append(LoweringDecision(node.name, op, chosen.provider, skipped))
         if chosen.provider == INLINE:
-            pending = _inline(gm, node, chosen) + pending
-            continue
+            try:
+                pending = _inline(gm, node, chosen) + pending
+                decisions.append(LoweringDecision(node.name, op, chosen.provider, skipped))
+                continue
+            except Exception as exc:  # a decomposition that does not trace here: the op's kernel instead
+                skipped.append(f"{INLINE}: inlining raised {type(exc).__name__}: {exc}")
+                chosen, more = choose(op, ctx, _meta(node.args), _meta(node.kwargs), exclude=(INLINE,))
+                skipped += more
+                if chosen is None:
+                    decisions.append(LoweringDecision(node.name, op, REFERENCE, skipped))
+                    continue
+        decisions.append(LoweringDecision(node.name, op, chosen.provider, skipped))
         node.meta["ttftc_op"] = op
         tuned = _tuned_config(op, chosen.provider, node, autotune_cache) if autotune else None
         if tuned is not None and not as_ops:

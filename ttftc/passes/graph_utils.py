@@ -105,6 +105,9 @@ def inline_function(gm: fx.GraphModule, node: fx.Node, fn, decompositions: Optio
 
     with fake_mode_of(gm):
         sub = make_fx(traced, decomposition_table=decompositions)(*[flat[i].meta["val"] for i in positions])
+    returns_tuple = isinstance(sub.graph.find_nodes(op="output")[0].args[0], (list, tuple))
+    if returns_tuple and -1 in getitem_users(node):  # checked before the graph changes: nothing half-done
+        raise ValueError(f"{node.name} returns a tuple that a user reads whole")
     env: dict[fx.Node, Any] = {}
     inputs = iter(flat[i] for i in positions)
     result: Any = None
@@ -118,11 +121,9 @@ def inline_function(gm: fx.GraphModule, node: fx.Node, fn, decompositions: Optio
                 env[sub_node] = add_constant(gm, sub_node.target, getattr(sub, sub_node.target))
             else:
                 env[sub_node] = gm.graph.node_copy(sub_node, lambda n: env[n])
-    if isinstance(result, (list, tuple)):
+    if returns_tuple:
         for index, users in getitem_users(node).items():
             for user in users:
-                if index < 0:
-                    raise ValueError(f"{node.name} returns a tuple but {user.name} reads it whole")
                 user.replace_all_uses_with(result[index])
                 gm.graph.erase_node(user)
     else:

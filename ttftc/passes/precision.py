@@ -58,6 +58,7 @@ INT8_ALIGN = 8
 INT8_MIN_K = 16
 
 _SDPA_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
+_ATTENTION_KINDS = ("attention", "sdpa", "bmm")
 
 
 def int8_unavailable_reason(device_type: str) -> Optional[str]:
@@ -114,7 +115,8 @@ class PrecisionPass(GraphPass):
         }
         if self.config.precision in ("auto", "int8"):  # what these emit depends on the machine
             device = self.config.device if self.config.device != "auto" else _default_device()
-            options["native_bf16"] = probe(device).native_bf16
+            caps = probe(device)
+            options["native_bf16"], options["bf16_attention"] = caps.native_bf16, caps.bf16_attention
         return options
 
     # -- driver additions ------------------------------------------------------------------------------------
@@ -131,38 +133,39 @@ class PrecisionPass(GraphPass):
             gm.recompile()
         return stats
 
-    def _effective_policy(self, gm: fx.GraphModule) -> tuple[str, str]:
-        """(mode, float policy): the mode is fp32, bf16 or int8; the float policy is the precision of every GEMM
-        and attention that int8 does not take (bf16 only where the device computes it natively)."""
+    def _effective_policy(self, gm: fx.GraphModule) -> tuple[str, dict[str, str]]:
+        """(mode, float policy): the mode is fp32, bf16 or int8; the float policy gives, per op class ("gemm",
+        "attention"), the precision of what int8 does not take: bf16 only where the device computes it natively
+        and, for attention, where its bf16 kernel is measured faster (ttftc.capabilities)."""
         precision = self.config.precision
         device = _graph_device(gm)
         caps = probe(device)
-        native = "native" if caps.native_bf16 else "not native"
-        if precision == "auto":
-            choice = "bf16" if caps.native_bf16 else "fp32"
-            self.stats.decisions.append(
-                f"precision 'auto' chose {choice} for GEMMs and attention: bf16 is {native} on {caps.name} "
-                f"({caps.bf16_evidence}); auto never quantises to int8")
-            return choice, choice
         if precision == "bf16":
             if not caps.native_bf16:
                 _warn_emulated_bf16(caps)
-                self.stats.decisions.append(f"precision 'bf16' as asked, although bf16 is {native} on {caps.name}")
-            return "bf16", "bf16"
+                self.stats.decisions.append(f"precision 'bf16' as asked, although bf16 is not native on {caps.name}")
+            return "bf16", {"gemm": "bf16", "attention": "bf16"}
         if precision == "fp32":
-            return "fp32", "fp32"
-        float_policy = "bf16" if caps.native_bf16 else "fp32"
+            return "fp32", {"gemm": "fp32", "attention": "fp32"}
+        policy = {"gemm": "bf16" if caps.native_bf16 else "fp32",
+                  "attention": "bf16" if caps.bf16_attention else "fp32"}
+        why = (f"on {caps.name} bf16 is {'native' if caps.native_bf16 else 'not native'} ({caps.bf16_evidence})"
+               + ("" if caps.bf16_attention_speedup is None
+                  else f", and the bf16 attention kernel measured {caps.bf16_attention_speedup:.2f}x fp32"))
+        if precision == "auto":
+            self.stats.decisions.append(f"precision 'auto' chose {policy['gemm']} GEMMs and {policy['attention']} "
+                                        f"attention: {why}; auto never quantises to int8")
+            return ("bf16" if "bf16" in policy.values() else "fp32"), policy
         reason = int8_unavailable_reason(device)
         if reason is not None:
             message = (f"precision='int8' has no int8 path on device {device!r} ({reason}); falling back to "
-                       f"{float_policy}")
+                       f"{policy['gemm']}")
             warnings.warn(f"ttftc: {message}", RuntimeWarning, stacklevel=2)
             self.stats.reject(message)
-            return float_policy, float_policy
-        self.stats.decisions.append(
-            f"precision 'int8': W8A8 linears; attention and layers kept out of int8 run {float_policy} "
-            f"(bf16 is {native} on {caps.name})")
-        return "int8", float_policy
+            return ("bf16" if "bf16" in policy.values() else "fp32"), policy
+        self.stats.decisions.append(f"precision 'int8': W8A8 linears; the GEMMs kept out of int8 run "
+                                    f"{policy['gemm']}, attention {policy['attention']}: {why}")
+        return "int8", policy
 
     # -- find ------------------------------------------------------------------------------------------------
     def find(self, gm: fx.GraphModule) -> Iterable[Candidate]:
@@ -207,10 +210,11 @@ class PrecisionPass(GraphPass):
             if int8_reason is None:
                 c.plan = "int8"
                 return None
-        if self.float_policy != "bf16":
+        kept = self.float_policy["attention" if c.kind in _ATTENTION_KINDS else "gemm"]
+        if kept != "bf16":
             if int8_reason is not None:
-                self.stats.reject(f"{c.name}: int8 refused: {int8_reason}; kept {self.float_policy}")
-            return f"{c.name}: kept {self.float_policy}: bf16 is not native on this device"
+                self.stats.reject(f"{c.name}: int8 refused: {int8_reason}; kept {kept}")
+            return f"{c.name}: kept {kept}: bf16 is not the faster precision for it on this device"
         bf16_reason = self._bf16_refusal(gm, c)
         if int8_reason is not None:
             kept = "kept in its own dtype" if bf16_reason else "kept bf16"
