@@ -117,7 +117,7 @@ class FavourTimer:
 
 def test_int8_linear_thread_count_is_tuned_and_cached(tmp_path):
     load_providers()
-    favourite = {"num_threads": _other_count()}
+    favourite = {"gemm": "int_mm", "num_threads": _other_count()}  # gemm: the int8 GEMM knob, tuned alongside
     cache = AutotuneCache(tmp_path)
     timer = FavourTimer(favourite)
     (result,) = tune_instances([OpInstance(INT8_PROBLEM, 24)], cache=cache, budget_s=60, timer=timer, progress=False)

@@ -57,3 +57,69 @@ def test_the_gemm_is_a_knob_with_int_mm_as_the_default():
     assert space.default(problem)["gemm"] == "int_mm"
     allowed, _ = space.candidates(problem)
     assert {c["gemm"] for c in allowed} == {"int_mm", "onednn_u8"}
+
+
+# -- the packed weight across the compile cache and AOT artifacts ---------------------------------------------
+# No file stores a packed oneDNN weight: a stored graph keeps only `tuning_config={"gemm": "onednn_u8"}` and the
+# int8 weight, and the lowering packs again in the process that loads it.
+
+def _choose_u8(monkeypatch):
+    """Every int8_linear gets the u8 GEMM, as an autotune cache entry tuned on a CPU that prefers it would give."""
+    from ttftc.codegen import lowering
+
+    monkeypatch.setattr(lowering, "_tuned_config",
+                        lambda op, provider, node, cache=None: {"gemm": "onednn_u8"} if op == "int8_linear" else None)
+
+
+def _fresh_packs(monkeypatch) -> cpu_int8.PackedWeights:
+    """A new process's empty pack table."""
+    packs = cpu_int8.PackedWeights()
+    monkeypatch.setattr(cpu_int8, "PACKED", packs)
+    return packs
+
+
+def _u8_nodes(graphs_dir) -> int:
+    return sum(path.read_text().count('"onednn_u8"') for path in graphs_dir.rglob("*.json"))
+
+
+def test_a_compile_cache_hit_repacks_the_weights_it_loads(tmp_path, monkeypatch):
+    import ttftc
+    from ttftc import zoo
+    from ttftc.cache import CompileCache
+    from ttftc.runtime.bucketed import compile_bucketed
+
+    pytest.importorskip("transformers")
+    config = ttftc.Config(buckets=(16,), precision="int8")
+    model = zoo.build("llama", "sdpa")
+    ids = zoo.example_ids(model, 10)
+    _choose_u8(monkeypatch)
+    first_packs = _fresh_packs(monkeypatch)
+    expected = compile_bucketed(model, config, cache=CompileCache(tmp_path))(ids, logits_to_keep=1).logits
+    assert len(first_packs._packed) > 0 and _u8_nodes(tmp_path) > 0
+
+    second_packs = _fresh_packs(monkeypatch)
+    monkeypatch.setattr("ttftc.codegen.lowering.lower_graph", lambda *a, **k: pytest.fail("compiled on a cache hit"))
+    reloaded = compile_bucketed(zoo.build("llama", "sdpa"), config, cache=CompileCache(tmp_path))
+    out = reloaded(ids, logits_to_keep=1).logits
+    assert reloaded.source.cache_hits == 1 and reloaded.source.compiles == 0
+    assert len(second_packs._packed) == len(first_packs._packed)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_an_artifact_built_with_the_u8_gemm_loads_and_repacks(tmp_path, monkeypatch):
+    import ttftc
+    from ttftc.aot import build_artifact
+
+    pytest.importorskip("transformers")
+    config = ttftc.Config(buckets=(16,), precision="int8")
+    ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(0))
+    build_artifact("tiny", tmp_path / "int_mm", config, cache=None)
+    _choose_u8(monkeypatch)
+    build_artifact("tiny", tmp_path / "u8", config, cache=None)
+    assert _u8_nodes(tmp_path / "u8") > 0 and _u8_nodes(tmp_path / "int_mm") == 0
+
+    packs = _fresh_packs(monkeypatch)
+    via_u8 = ttftc.load(tmp_path / "u8")(ids, logits_to_keep=1).logits
+    assert len(packs._packed) > 0  # packed at the first call of the loaded graphs, not read from the artifact
+    via_int_mm = ttftc.load(tmp_path / "int_mm")(ids, logits_to_keep=1).logits
+    torch.testing.assert_close(via_u8, via_int_mm, rtol=1e-4, atol=1e-4)

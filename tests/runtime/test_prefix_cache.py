@@ -1,6 +1,8 @@
 """PrefixCache: matching, references, eviction, tenant isolation, accounting, thread safety, bad input."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -51,7 +53,70 @@ def test_tenants_never_share_blocks():
     lease = cache.match(tokens, tenant="bob")
     assert lease.num_tokens == 0
     lease.release()
-    assert cache.match(tokens, tenant=None).num_tokens == 0  # the default namespace is its own tenant too
+    assert cache.match(tokens, tenant=None).num_tokens == 0  # an unnamed caller is nobody's tenant
+
+
+def test_an_unnamed_caller_shares_with_nobody_not_even_itself():
+    cache = PrefixCache(1 << 20, block_size=BS)
+    tokens = list(range(12))
+    built = []
+    lease = cache.insert(tokens, lambda i: built.append(i) or payload_for(None, tokens, i), tenant=None)
+    assert lease.num_tokens == 0 and built == []  # a private namespace no later call can name: nothing is stored
+    lease.release()
+    insert(cache, tokens, "t").release()
+    assert cache.match(tokens, tenant=None).num_tokens == 0
+    assert cache.cached_tokens(tokens, tenant=None) == 0
+    assert cache.stats().blocks_held == 3  # only the named tenant's blocks
+
+
+def test_shared_default_is_one_namespace_for_unnamed_callers_on_purpose():
+    cache = PrefixCache(1 << 20, block_size=BS, shared_default=True)
+    tokens = list(range(8))
+    insert(cache, tokens, None).release()
+    lease = cache.match(tokens, tenant=None)
+    assert lease.num_tokens == 8 and served_correctly(lease, tokens, None)
+    lease.release()
+    assert cache.cached_tokens(tokens, tenant="None") == 0  # the string "None" is a tenant like any other
+    assert cache.cached_tokens(tokens, tenant="t") == 0
+    with pytest.raises(TypeError, match="shared_default"):
+        PrefixCache(1 << 20, shared_default=1)
+
+
+@pytest.mark.parametrize("tenant", [1, 1.0, True, ("a",), b"a", object()])
+def test_tenants_are_strings(tenant):
+    cache = PrefixCache(1 << 20, block_size=BS)
+    tokens = list(range(8))
+    for call in (lambda: cache.match(tokens, tenant=tenant), lambda: cache.cached_tokens(tokens, tenant=tenant),
+                 lambda: insert(cache, tokens, tenant)):
+        with pytest.raises(TypeError, match="tenant must be a str"):
+            call()
+    assert cache.stats().blocks_held == 0
+
+
+def test_a_str_subclass_cannot_bring_its_own_equality():
+    class Everyone(str):
+        def __eq__(self, other):
+            return True
+
+        def __hash__(self):
+            return hash("victim")
+
+    cache = PrefixCache(1 << 20, block_size=BS)
+    tokens = list(range(8))
+    insert(cache, tokens, "victim").release()
+    assert cache.cached_tokens(tokens, tenant=Everyone("attacker")) == 0
+
+
+def test_binding_holds_the_model_weakly_and_compares_identity():
+    cache = PrefixCache(1 << 20, block_size=BS)
+    model = torch.nn.Linear(1, 1)
+    alive = weakref.ref(model)
+    cache.bind(BLOCK_BYTES, owner=model)
+    del model
+    gc.collect()
+    assert alive() is None  # the cache does not keep the model alive
+    with pytest.raises(ValueError, match="another model.*freed"):
+        cache.bind(BLOCK_BYTES, owner=torch.nn.Linear(1, 1))  # wherever it was allocated, even at the old address
 
 
 def test_hit_accounting_counts_tokens():
@@ -142,7 +207,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.inserted_since_eviction: dict = {}
 
     prompts = st.lists(st.integers(0, 2), min_size=1, max_size=14)
-    tenants = st.sampled_from(["a", "b", None])
+    tenants = st.sampled_from(["a", "b", None])  # None: private, so it must never hit
 
     @rule(tokens=prompts, tenant=tenants)
     def do_insert(self, tokens, tenant):
@@ -159,8 +224,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.queried += len(tokens)
         self.hit += lease.num_tokens
         assert lease.num_tokens % BS == 0 and lease.num_tokens <= (len(tokens) if cap is None else cap)
-        # Only this tenant's own KV for exactly this prefix is ever served.
+        # Only this tenant's own KV for exactly this prefix is ever served; an unnamed caller is served nothing.
         assert served_correctly(lease, tokens, tenant)
+        assert tenant is not None or lease.num_tokens == 0
         # A chain inserted whole is still whole if nothing was evicted since.
         for (t, prefix), evicted_then in self.inserted_since_eviction.items():
             if t == tenant and tuple(tokens[:len(prefix)]) == prefix and cap is None:

@@ -5,34 +5,39 @@
     DIR/weights.safetensors    the transformed constants (merged, transposed, quantised weights), each once
     DIR/graphs/<signature>.json  one graph per signature, after passes and lowering (cache/graph_format.py)
 
-`load_artifact` checks versions and checksums before it builds anything, then returns a BucketedModel whose
-graphs are rebuilt from data: no Dynamo, no passes, no lowering, in the loading process. Every failure is an
-ArtifactError naming the file and the remedy.
+`load_artifact` checks the manifest's schema (manifest.py), versions and checksums, then reads, hashes and checks
+every graph (graph_format.py: allow-listed targets, identifier names) before it returns a BucketedModel whose graphs
+are built from that data on first use: no Dynamo, no passes, no lowering, in the loading process. The artifact is
+untrusted data: no code runs from it, and no name in it leads outside its directory (cache/confined.py). Every
+failure is an ArtifactError naming the file and the remedy, raised by `load_artifact`, never at the first call.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from ttftc.aot.manifest import ARTIFACT_FORMAT, GRAPHS, MANIFEST, WEIGHTS, Manifest, graph_file, parse_manifest
 from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.cache.atomic import write_json
 from ttftc.cache.checksums import CHUNK_BYTES, chunk_digests, first_bad_chunk, sha256_file
-from ttftc.cache.graph_format import decode_program, encode_program
+from ttftc.cache.confined import UnsafePathError, confined_path, read_regular, regular_file
+from ttftc.cache.graph_format import ProgramSpec, encode_program, parse_program
 from ttftc.cache.keys import device_description, runtime_source_hash, versions
+from ttftc.cache.schema import SchemaError
 from ttftc.config import Config
 
-ARTIFACT_FORMAT = 1
-MANIFEST = "manifest.json"
-WEIGHTS = "weights.safetensors"
-GRAPHS = "graphs"
+__all__ = ["ARTIFACT_FORMAT", "ArtifactError", "GRAPHS", "MANIFEST", "WEIGHTS", "load_artifact", "read_manifest",
+           "write_artifact"]
 # Versions that must match for the saved graphs to mean the same thing. transformers is recorded only: the
 # graphs do not use it at run time.
 _CHECKED_VERSIONS = ("ttftc", "torch", "triton")
@@ -42,10 +47,12 @@ class ArtifactError(RuntimeError):
     """An artifact cannot be written or loaded; the message names the file and what to do."""
 
 
-def _remedy(directory: Path, manifest: Optional[dict]) -> str:
-    source = (manifest or {}).get("source") or {}
-    if source.get("model"):
-        return (f"rebuild it with `ttftc compile --rebuild -o {directory}` (source model {source['model']}) "
+def _remedy(directory: Path, raw: Any) -> str:
+    """What to do about a broken artifact; `raw` is the manifest as read (any JSON, or None)."""
+    source = raw.get("source") if isinstance(raw, dict) else None
+    model = source.get("model") if isinstance(source, dict) else None
+    if isinstance(model, str) and model:
+        return (f"rebuild it with `ttftc compile --rebuild -o {directory}` (source model {model[:200]!r}) "
                 "or ttftc.load(..., rebuild=True)")
     return f"re-run `ttftc compile MODEL ... -o {directory}` with the source model"
 
@@ -73,9 +80,13 @@ def write_artifact(directory: Path | str, source, signatures: Sequence[GraphSign
     from safetensors.torch import save_file
 
     directory = Path(directory)
+    signatures = list(dict.fromkeys(signatures))  # each graph once: the manifest lists every signature once
     plan: BucketPlan = source.plan
     if not plan.safe:
         raise ArtifactError(f"cannot build an artifact for this model: {plan.reason}")
+    if source.vocab_size is None:
+        raise ArtifactError("cannot build an artifact for this model: its vocabulary size is unknown (no token "
+                            "embedding and no config.vocab_size), so loaded artifacts could not check token ids")
     missing = sorted({s.bucket for s in signatures} - set(plan.buckets))
     if missing:
         raise ArtifactError(f"buckets {missing} are not in the model's bucket table {list(plan.buckets)}")
@@ -99,9 +110,9 @@ def write_artifact(directory: Path | str, source, signatures: Sequence[GraphSign
         save_file(tensors, str(staging / WEIGHTS))
         files = {WEIGHTS: sha256_file(staging / WEIGHTS)}
         chunks = {WEIGHTS: {"bytes": CHUNK_BYTES, "sha256": chunk_digests(staging / WEIGHTS)}}
-        for name, data in encoded.items():
-            rel = f"{GRAPHS}/{name}.json"
-            write_json(staging / rel, data)
+        for signature in signatures:
+            rel = graph_file(signature)
+            write_json(staging / rel, encoded[signature.name])
             files[rel] = sha256_file(staging / rel)
         config: Config = source.config
         from ttftc.passes.manager import PassManager
@@ -121,6 +132,7 @@ def write_artifact(directory: Path | str, source, signatures: Sequence[GraphSign
             "signatures": [s.to_dict() for s in signatures],
             "plan": plan.to_dict(),
             "max_positions": source.max_positions,
+            "vocab_size": source.vocab_size,
             "takes_positions": source.takes_positions,
             "tuned_kernels": _tuned_configs(programs),
             "source": model_source or {},
@@ -150,128 +162,170 @@ def _swap_into_place(staging: Path, directory: Path) -> None:
 
 # -- reading ------------------------------------------------------------------------------------------------
 def read_manifest(directory: Path | str) -> dict:
+    """The manifest as JSON (a dict, schema not yet checked: see `load_manifest`)."""
     directory = Path(directory)
-    path = directory / MANIFEST
     if not directory.is_dir():
         raise ArtifactError(
             f"{directory} is not a directory; build an artifact with `ttftc compile MODEL -o {directory}`")
-    if not path.exists():
-        raise ArtifactError(f"{path} is missing: {directory} is not a complete ttftc artifact; "
-                            f"re-run `ttftc compile MODEL ... -o {directory}`")
+    path = directory / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
-        if not isinstance(manifest, dict) or "files" not in manifest:
-            raise ValueError("not a ttftc manifest")
-    except (ValueError, UnicodeDecodeError) as exc:
+        manifest = json.loads(read_regular(path))
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        raise ArtifactError(f"{path} is missing: {directory} is not a complete ttftc artifact; "
+                            f"re-run `ttftc compile MODEL ... -o {directory}`") from None
+    except (ValueError, RecursionError, OSError) as exc:  # UnicodeDecodeError, UnsafePathError are ValueErrors
         raise ArtifactError(f"{path} is corrupt ({exc}); re-run `ttftc compile MODEL ... -o {directory}`") from None
     return manifest
 
 
-def check_manifest(directory: Path, manifest: dict, device: torch.device) -> None:
-    remedy = _remedy(directory, manifest)
-    if manifest.get("format") != ARTIFACT_FORMAT:
-        raise ArtifactError(f"{directory / MANIFEST} has artifact format {manifest.get('format')!r}, this ttftc "
-                            f"reads format {ARTIFACT_FORMAT}: {remedy}")
-    built, running = manifest.get("versions", {}), versions()
+def load_manifest(directory: Path, raw: dict) -> Manifest:
+    """The typed manifest; a missing or mistyped field is an ArtifactError naming it."""
+    try:
+        return parse_manifest(raw)
+    except SchemaError as exc:
+        raise ArtifactError(f"{directory / MANIFEST}: {exc}: {_remedy(directory, raw)}") from None
+
+
+def check_manifest(directory: Path, manifest: Manifest, raw: dict, device: torch.device) -> None:
+    """The artifact was built for what this process runs: versions, runtime code, device type."""
+    remedy = _remedy(directory, raw)
+    running = versions()
     for name in _CHECKED_VERSIONS:
-        if built.get(name) != running.get(name):
+        if manifest.versions.get(name) != running.get(name):
             raise ArtifactError(
-                f"{directory / MANIFEST}: built with {name} {built.get(name)}, this process has {name} "
+                f"{directory / MANIFEST}: built with {name} {manifest.versions.get(name)}, this process has {name} "
                 f"{running.get(name)}; the compiled graphs are tied to the versions that built them: {remedy}"
             )
-    if manifest.get("runtime_source") != runtime_source_hash():
+    if manifest.runtime_source != runtime_source_hash():
         raise ArtifactError(
             f"{directory / MANIFEST}: built by a ttftc whose ops or lowerings differ from this one (runtime source "
-            f"hash {manifest.get('runtime_source')}, running {runtime_source_hash()}): {remedy}"
+            f"hash {manifest.runtime_source}, running {runtime_source_hash()}): {remedy}"
         )
-    if manifest.get("device_type") != device.type:
+    if manifest.device_type != device.type:
         raise ArtifactError(
-            f"{directory / MANIFEST}: compiled for {manifest.get('device')}, cannot run on {device}: {remedy}"
+            f"{directory / MANIFEST}: compiled for {manifest.device}, cannot run on {device}: {remedy}"
         )
 
 
-def verify_files(directory: Path, manifest: dict) -> None:
-    """Every file the manifest lists exists and has its recorded sha256 (per chunk where recorded)."""
-    remedy = _remedy(directory, manifest)
-    chunked = manifest.get("chunks", {})
-    for rel, expected in manifest["files"].items():
-        path = directory / rel
-        if not path.is_file():
-            raise ArtifactError(f"{path} is missing from the artifact: {remedy}")
-        if rel in chunked:
-            bad = first_bad_chunk(path, chunked[rel]["sha256"], chunked[rel]["bytes"])
-            if bad is not None:
-                raise ArtifactError(
-                    f"{path} is corrupt (sha256 of bytes from {bad * chunked[rel]['bytes']} on does not match the "
-                    f"manifest): {remedy}"
-                )
-        elif sha256_file(path) != expected:
-            raise ArtifactError(f"{path} is corrupt (its sha256 does not match the manifest): {remedy}")
+def _artifact_file(directory: Path, rel: str, raw: dict) -> Path:
+    """The file `rel` of the artifact: inside it, and a regular file (no symlink out of it)."""
+    try:
+        return regular_file(confined_path(directory, rel))
+    except FileNotFoundError:
+        raise ArtifactError(f"{directory / rel} is missing from the artifact: {_remedy(directory, raw)}") from None
+    except UnsafePathError as exc:
+        raise ArtifactError(f"{directory / rel} is refused ({exc}): {_remedy(directory, raw)}") from None
+
+
+def verify_weights(directory: Path, manifest: Manifest, raw: dict) -> None:
+    """The weights file has its recorded sha256 (per chunk where recorded, hashed in parallel)."""
+    path = _artifact_file(directory, WEIGHTS, raw)
+    chunks = manifest.chunks.get(WEIGHTS)
+    if chunks is not None:
+        bad = first_bad_chunk(path, list(chunks.sha256), chunks.size)
+        if bad is not None:
+            raise ArtifactError(f"{path} is corrupt (sha256 of bytes from {bad * chunks.size} on does not match the "
+                                f"manifest): {_remedy(directory, raw)}")
+    elif sha256_file(path) != manifest.files[WEIGHTS]:
+        raise ArtifactError(f"{path} is corrupt (its sha256 does not match the manifest): {_remedy(directory, raw)}")
+
+
+def read_graph(directory: Path, manifest: Manifest, raw: dict, signature: GraphSignature,
+               constants: dict[str, torch.Tensor]) -> ProgramSpec:
+    """One graph file, hashed as it is read (the bytes checked are the bytes parsed) and checked completely."""
+    rel = graph_file(signature)
+    path = _artifact_file(directory, rel, raw)
+    remedy = _remedy(directory, raw)
+    data = read_regular(path)
+    if hashlib.sha256(data).hexdigest() != manifest.files[rel]:
+        raise ArtifactError(f"{path} is corrupt (its sha256 does not match the manifest): {remedy}")
+    try:
+        spec = parse_program(json.loads(data), constants.__getitem__)
+    except (ValueError, RecursionError) as exc:  # GraphFormatError, JSON and Unicode errors are ValueErrors
+        raise ArtifactError(f"{path} cannot be read ({type(exc).__name__}: {exc}): {remedy}") from None
+    if spec.signature != signature:
+        raise ArtifactError(f"{path} holds the graph of {spec.signature}, not {signature}: {remedy}")
+    return spec
 
 
 class ArtifactGraphs:
-    """GraphSource over an artifact: graphs are rebuilt from their files on first use; it never compiles."""
+    """GraphSource over an artifact: every graph is read and checked at load, and built on first use; it never
+    compiles."""
 
-    def __init__(self, directory: Path, manifest: dict, constants: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, directory: Path, manifest: Manifest, raw: dict, specs: dict[GraphSignature, ProgramSpec],
+                 device: torch.device):
         self.directory = directory
         self.manifest = manifest
-        self.constants = constants
+        self.raw_manifest = raw
         self.device = device
-        self.plan = BucketPlan.from_dict(manifest["plan"])
-        self.max_positions = manifest.get("max_positions")
-        self.takes_positions = bool(manifest.get("takes_positions", True))
-        self.signatures = {GraphSignature.from_dict(s) for s in manifest["signatures"]}
+        self.plan = manifest.plan
+        self.max_positions = manifest.max_positions
+        self.vocab_size = manifest.vocab_size
+        self.takes_positions = manifest.takes_positions
+        self.specs = specs
         self.programs: dict[GraphSignature, GraphProgram] = {}
+        self._lock = threading.Lock()  # two threads on the same cold graph build it once
 
     def get(self, signature: GraphSignature) -> GraphProgram:
         program = self.programs.get(signature)
         if program is not None:
             return program
-        if signature not in self.signatures:
-            held = ", ".join(s.name for s in sorted(self.signatures))
-            options = {f"--logits {signature.logits}":
-                       signature.logits not in {s.logits for s in self.signatures},
-                       f"--batch {signature.batch}": signature.batch not in {s.batch for s in self.signatures},
-                       "without --no-kv": signature.kv and not any(s.kv for s in self.signatures),
-                       "--no-kv": not signature.kv and all(s.kv for s in self.signatures)}
-            needed = " ".join(flag for flag, missing in options.items() if missing) or "--buckets ..."
-            raise ArtifactError(
-                f"artifact {self.directory} has no graph for bucket {signature.bucket} with batch {signature.batch}, "
-                f"logits={signature.logits!r}, kv={signature.kv} (file {GRAPHS}/{signature.name}.json); it holds "
-                f"{held}. Rebuild it with `ttftc compile MODEL {needed} -o {self.directory}`"
-            )
-        path = self.directory / GRAPHS / f"{signature.name}.json"
-        try:
-            program = decode_program(json.loads(path.read_text()), self.constants.__getitem__)
-        except FileNotFoundError:
-            remedy = _remedy(self.directory, self.manifest)
-            raise ArtifactError(f"{path} is missing from the artifact: {remedy}") from None
-        except Exception as exc:
-            raise ArtifactError(f"{path} cannot be read ({type(exc).__name__}: {exc}): "
-                                f"{_remedy(self.directory, self.manifest)}") from None
-        self.programs[signature] = program
+        spec = self.specs.get(signature)
+        if spec is None:
+            raise self._missing(signature)
+        with self._lock:
+            program = self.programs.get(signature)
+            if program is None:
+                program = self.programs[signature] = spec.build()
         return program
+
+    def _missing(self, signature: GraphSignature) -> ArtifactError:
+        held = ", ".join(s.name for s in sorted(self.specs))
+        options = {f"--logits {signature.logits}": signature.logits not in {s.logits for s in self.specs},
+                   f"--batch {signature.batch}": signature.batch not in {s.batch for s in self.specs},
+                   "without --no-kv": signature.kv and not any(s.kv for s in self.specs),
+                   "--no-kv": not signature.kv and all(s.kv for s in self.specs)}
+        needed = " ".join(flag for flag, missing in options.items() if missing) or "--buckets ..."
+        return ArtifactError(
+            f"artifact {self.directory} has no graph for bucket {signature.bucket} with batch {signature.batch}, "
+            f"logits={signature.logits!r}, kv={signature.kv} (file {graph_file(signature)}); it holds "
+            f"{held}. Rebuild it with `ttftc compile MODEL {needed} -o {self.directory}`"
+        )
 
     def dynamic(self, logits: str, kv: bool) -> None:
         return None  # an artifact holds fixed shapes only; the model that could be traced is not here
 
 
 def load_artifact(directory: Path | str, *, device: Optional[str] = None, verify: bool = True):
-    """A BucketedModel serving from the artifact at `directory`; see the module docstring."""
+    """A BucketedModel serving from the artifact at `directory`; see the module docstring.
+
+    verify=False skips hashing the weights (the slow part); graph files are always hashed as they are read.
+    """
     from ttftc.aot.weights import map_safetensors
     from ttftc.runtime.bucketed import BucketedModel
 
     directory = Path(directory)
-    manifest = read_manifest(directory)
-    target = torch.device(device or manifest.get("device_type", "cpu"))
-    check_manifest(directory, manifest, target)
-    if verify:
-        verify_files(directory, manifest)
+    raw = read_manifest(directory)
+    manifest = load_manifest(directory, raw)
     try:
-        constants = map_safetensors(directory / WEIGHTS, target)
-    except Exception as exc:
-        raise ArtifactError(f"{directory / WEIGHTS} cannot be read ({type(exc).__name__}: {exc}): "
-                            f"{_remedy(directory, manifest)}") from None
-    # The recorded Config is not rebuilt: validating it would import every pass, and serving needs only this.
-    on_oversize = manifest["config"].get("on_oversize", "error")
-    return BucketedModel(ArtifactGraphs(directory, manifest, constants, target), device=target, on_oversize=on_oversize)
+        target = torch.device(device or manifest.device_type)
+    except (RuntimeError, ValueError) as exc:
+        raise ArtifactError(f"{directory / MANIFEST}: device {device or manifest.device_type!r} is not a torch "
+                            f"device ({exc}): {_remedy(directory, raw)}") from None
+    check_manifest(directory, manifest, raw, target)
+    try:
+        if verify:
+            verify_weights(directory, manifest, raw)
+        weights = _artifact_file(directory, WEIGHTS, raw)
+        try:
+            constants = map_safetensors(weights, target)
+        except (ValueError, RuntimeError) as exc:
+            raise ArtifactError(f"{weights} cannot be read ({type(exc).__name__}: {exc}): "
+                                f"{_remedy(directory, raw)}") from None
+        specs = {s: read_graph(directory, manifest, raw, s, constants) for s in manifest.signatures}
+    except OSError as exc:  # unreadable (permissions, I/O): the same remedy as a damaged file
+        raise ArtifactError(f"{directory} cannot be read ({exc}): {_remedy(directory, raw)}") from None
+    graphs = ArtifactGraphs(directory, manifest, raw, specs, target)
+    return BucketedModel(graphs, device=target, on_oversize=manifest.on_oversize)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ttftc.aot.artifact import ArtifactError, load_artifact, read_manifest, write_artifact
+from ttftc.aot.artifact import MANIFEST, ArtifactError, load_artifact, read_manifest, write_artifact
+from ttftc.aot.manifest import parse_recipe
 from ttftc.buckets.program import LOGITS_MODES, GraphSignature
+from ttftc.cache.schema import SchemaError
 from ttftc.config import Config
 
 
@@ -30,21 +32,18 @@ def build_artifact(model_name: str, directory: Path | str, config: Config, *, ba
 
 
 def rebuild_artifact(directory: Path | str, *, model_name: Optional[str] = None, cache=None) -> Path:
-    """Build the artifact at `directory` again from the source model and options its manifest records."""
-    manifest = read_manifest(directory)
-    source = manifest.get("source") or {}
-    name = model_name or source.get("model")
-    if not name:
-        raise ArtifactError(f"{Path(directory) / 'manifest.json'} does not record a source model; "
-                            f"run `ttftc compile MODEL ... -o {directory}`")
-    fields = dict(manifest["config"])
-    for key in ("passes", "buckets", "quant_skip"):
-        if isinstance(fields.get(key), list):
-            fields[key] = tuple(fields[key])
-    config = Config(**fields)
-    return build_artifact(name, directory, config, batch_sizes=source.get("batch_sizes", [1]),
-                          logits=source.get("logits", ["last"]), kv=source.get("kv", True),
-                          attn=source.get("attn", "sdpa"), cache=cache)
+    """Build the artifact at `directory` again from the source model and options its manifest records.
+
+    The recorded model name is trusted as far as `ttftc compile` trusts its MODEL argument: a preset, or a local
+    Hugging Face directory read as data (no remote code). Pass `model_name` to use another source.
+    """
+    try:
+        recipe = parse_recipe(read_manifest(directory), model_name)
+    except SchemaError as exc:
+        raise ArtifactError(f"{Path(directory) / MANIFEST} does not record how to rebuild it ({exc}); "
+                            f"run `ttftc compile MODEL ... -o {directory}`") from None
+    return build_artifact(recipe.model, directory, recipe.config, batch_sizes=recipe.batch_sizes,
+                          logits=recipe.logits, kv=recipe.kv, attn=recipe.attn, cache=cache)
 
 
 def load(directory: Path | str, *, device: Optional[str] = None, verify: bool = True, rebuild: bool = False):

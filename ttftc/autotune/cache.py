@@ -4,7 +4,8 @@ Keyed by device name, op, shape signature, dtype and provider; versions of ttftc
 in each entry and checked on read, so a stale entry (another version) is ignored instead of trusted. Writes go
 to a temporary file in the same directory and are renamed into place, so a reader never sees half a file and
 concurrent writers cannot interleave bytes (the last rename wins, whole). A corrupt or stale entry is skipped
-with one warning per cache and never raises.
+with one warning per cache and never raises. Entries are untrusted data: each field must have its type (a config
+maps knob names to JSON scalars), and a stored thread count is clamped where it is applied (codegen/cpu/_threads.py).
 """
 
 from __future__ import annotations
@@ -62,6 +63,25 @@ class TuneKey:
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
+def _checked_config(raw: Any) -> dict[str, Any]:
+    """A tuned config from a file: knob names mapped to JSON scalars; raises ValueError otherwise."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"config must be a JSON object, got {type(raw).__name__}")
+    for name, value in raw.items():
+        if not isinstance(name, str) or not (value is None or isinstance(value, (bool, int, float, str))):
+            raise ValueError(f"config knob {name!r} has a non-scalar value {value!r}"[:200])
+    threads = raw.get("num_threads")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"config num_threads must be a positive int or null, got {threads!r}")
+    return dict(raw)
+
+
+def _checked_strings(raw: Any, what: str) -> dict[str, Any]:
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise ValueError(f"{what} must map names to strings")
+    return raw
+
+
 @dataclass(frozen=True)
 class TuneEntry:
     key: TuneKey
@@ -89,11 +109,11 @@ class AutotuneCache:
             if raw.get("schema") != SCHEMA:
                 raise ValueError(f"schema {raw.get('schema')!r}, expected {SCHEMA}")
             entry = TuneEntry(
-                key=TuneKey(**raw["key"]),
-                config=dict(raw["config"]),
+                key=TuneKey(**_checked_strings(raw["key"], "key")),
+                config=_checked_config(raw["config"]),
                 tuned_ms=float(raw["tuned_ms"]),
                 default_ms=float(raw["default_ms"]),
-                versions=dict(raw["versions"]),
+                versions=dict(_checked_strings(raw["versions"], "versions")),
                 created=float(raw["created"]),
             )
         except FileNotFoundError:

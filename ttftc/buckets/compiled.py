@@ -1,7 +1,8 @@
 """The just-in-time graph source: plans and compiles bucket graphs from a live model, on first use.
 
 With a compile cache, a graph compiled once (in any process) is loaded instead: no Dynamo trace, no passes,
-no lowering. Without one, each bucket costs one trace and compile the first time it is used.
+no lowering. Without one, each bucket costs one trace and compile the first time it is used. Prompts no bucket
+holds run through `dynamic_runner`, the model compiled with dynamic shapes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from ttftc.buckets.capture import PrefillAdapter, analyse_padding, capture_graph
-from ttftc.buckets.program import GraphProgram, GraphSignature
+from ttftc.buckets.program import GraphProgram, GraphSignature, output_names
 from ttftc.buckets.constants import ConstantPool
 from ttftc.buckets.plan import BucketPlan
 from ttftc.buckets.table import DEFAULT_BUCKETS, effective_buckets
@@ -29,11 +30,39 @@ def max_positions_of(model: torch.nn.Module) -> Optional[int]:
     return None
 
 
+def vocab_size_of(model: torch.nn.Module) -> Optional[int]:
+    """The number of rows of the model's token embedding: every valid token id is below it."""
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    if isinstance(embeddings, torch.nn.Embedding):
+        return embeddings.num_embeddings
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "vocab_size", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def model_device(model: torch.nn.Module, config: Config) -> torch.device:
     if config.device != "auto":
         return torch.device(config.device)
     param = next(iter(model.parameters()), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def named_outputs(flat) -> dict[str, torch.Tensor]:
+    return dict(zip(output_names(len(flat)), flat))
+
+
+def dynamic_runner(model: torch.nn.Module, config: Config, logits: str, kv: bool) -> Callable[[dict], dict]:
+    """The model compiled by ttftc with dynamic shapes (through Dynamo): the path for prompts with no bucket."""
+    from ttftc.dynamo_backend import TtftcBackend
+
+    compiled = torch.compile(PrefillAdapter(model, logits=logits, kv=kv), backend=TtftcBackend(config), dynamic=True)
+
+    def run(tensors: dict) -> dict:
+        return named_outputs(compiled(**tensors))
+
+    return run
 
 
 class CompiledGraphs:
@@ -45,6 +74,7 @@ class CompiledGraphs:
         self.cache = cache
         self.device = model_device(model, config)
         self.max_positions = max_positions_of(model)
+        self.vocab_size = vocab_size_of(model)
         self.takes_positions = PrefillAdapter(model).takes_positions
         self.pool = ConstantPool()
         self.programs: dict[GraphSignature, GraphProgram] = {}
@@ -70,12 +100,12 @@ class CompiledGraphs:
         if buckets != requested:
             notes.append(f"buckets above the model's {self.max_positions} positions were capped to it")
         if self.cache is not None:
-            cached = self.cache.load_plan(self.model, self.config, buckets)
+            cached = self.cache.load_plan(self.model, self.device, buckets)
             if cached is not None:
                 return cached
         plan = analyse_padding(self.model, buckets, self.device, notes)
         if self.cache is not None:
-            self.cache.store_plan(self.model, self.config, buckets, plan)
+            self.cache.store_plan(self.model, self.device, buckets, plan)
         return plan
 
     def get(self, signature: GraphSignature) -> GraphProgram:
@@ -105,8 +135,6 @@ class CompiledGraphs:
         return program
 
     def dynamic(self, logits: str, kv: bool) -> Callable[[dict], dict]:
-        from ttftc.runtime.bucketed import dynamic_runner
-
         key = (logits, kv)
         if key not in self._dynamic:
             self._dynamic[key] = dynamic_runner(self.model, self.config, logits, kv)

@@ -12,6 +12,8 @@ import torch
 import torch.fx as fx
 
 LOGITS_MODES = ("all", "last")
+# Every tensor a prefill graph may take, by name (a graph takes the ones its model reads).
+INPUT_NAMES = ("input_ids", "position_ids", "last_index")
 
 
 @dataclass(frozen=True, order=True)
@@ -43,7 +45,15 @@ class GraphSignature:
 
     @classmethod
     def from_dict(cls, data: dict) -> "GraphSignature":
-        return cls(int(data["bucket"]), int(data["batch"]), str(data["logits"]), bool(data["kv"]))
+        """The signature `to_dict` wrote. The dict comes from a file, so every field is checked for its exact
+        type: a ValueError names the first field that is missing or wrong."""
+        if not isinstance(data, dict) or set(data) != {"bucket", "batch", "logits", "kv"}:
+            raise ValueError(f"a graph signature has exactly the fields bucket, batch, logits, kv; got {data!r}")
+        for name, kind in (("bucket", int), ("batch", int), ("logits", str), ("kv", bool)):
+            value = data[name]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"graph signature field {name!r} must be {kind.__name__}, got {value!r}")
+        return cls(data["bucket"], data["batch"], data["logits"], data["kv"])
 
 
 class GraphProgram:

@@ -1,9 +1,24 @@
-"""ttftc's persistent compile cache: compiled bucket graphs on disk, so a second process compiles nothing."""
+"""ttftc's persistent compile cache: compiled bucket graphs on disk, so a second process compiles nothing.
 
-from ttftc.cache.graph_format import GraphFormatError, decode_program, encode_program
-from ttftc.cache.store import CACHE_ENV, CompileCache, default_cache, default_cache_dir
+The names below resolve on first use: loading an AOT artifact imports the graph format and the file helpers of this
+package, not the compile cache itself.
+"""
 
-__all__ = [
-    "CACHE_ENV", "CompileCache", "GraphFormatError", "decode_program", "default_cache", "default_cache_dir",
-    "encode_program",
-]
+from __future__ import annotations
+
+from ttftc._lazy import lazy_exports
+
+_LAZY = {
+    "CACHE_ENV": "ttftc.cache.store",
+    "CompileCache": "ttftc.cache.store",
+    "default_cache": "ttftc.cache.store",
+    "default_cache_dir": "ttftc.cache.store",
+    "GraphFormatError": "ttftc.cache.graph_format",
+    "decode_program": "ttftc.cache.graph_format",
+    "encode_program": "ttftc.cache.graph_format",
+}
+
+__all__ = sorted(_LAZY)
+
+
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

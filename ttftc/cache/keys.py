@@ -60,7 +60,7 @@ def ttftc_source_hash() -> str:
 def runtime_source_hash() -> str:
     """Hash of the code a compiled graph calls when it runs (the ops and their lowerings) and of the graph
     file format: what must not change under a saved artifact. Passes and capture only matter when building."""
-    return _hash_sources(("ops", "codegen", "cache/graph_format.py"))
+    return _hash_sources(("ops", "codegen", "cache/graph_format.py", "cache/graph_calls.py"))
 
 
 def device_description(device: torch.device) -> str:

@@ -11,13 +11,16 @@ and transformers, and the device. A hit loads the graph and its constants: nothi
 lowering runs. Constants are content-addressed, so the buckets of one model share their weights on disk.
 
 Every file is written to a temporary name and renamed (atomic.py), so concurrent writers and readers are
-safe. A corrupted or partial entry is reported with one warning, deleted and rebuilt.
+safe. A corrupted, partial or crafted entry is reported with one warning, deleted and rebuilt: the cache directory
+is untrusted input like any artifact. Keys must match their hex pattern before they become a path, paths stay
+inside the cache directory (confined.py), and graphs are decoded by allow-list (graph_format.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -27,13 +30,16 @@ import torch
 from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.cache.atomic import atomic_path, write_json
-from ttftc.cache.graph_format import decode_program, encode_program
+from ttftc.cache.confined import UnsafePathError, confined_path, read_regular, regular_file
+from ttftc.cache.graph_format import GraphFormatError, decode_program, encode_program
+from ttftc.cache.schema import SHA256_HEX, as_str, field, plan_from_json
 from ttftc.cache.keys import combine, device_description, model_fingerprint, tensor_hash, ttftc_source_hash, versions
 from ttftc.config import Config
 
 CACHE_ENV = "TTFTC_COMPILE_CACHE"  # the compile cache directory itself, or "off"
 ROOT_ENV = "TTFTC_CACHE_DIR"  # ttftc's cache root (shared with the autotune cache); compile/ below it
 _DISABLED = ("", "0", "off", "none", "false")
+_ENTRY_KEY = re.compile(r"[0-9a-f]{32}\Z")  # keys.combine
 
 
 def default_cache_dir() -> Optional[Path]:
@@ -92,16 +98,35 @@ class CompileCache:
     def plan_key(self, model, buckets: tuple[int, ...], device: torch.device) -> str:
         return combine({**self._common(model, device), "buckets": list(buckets), "kind": "plan"})
 
+    # -- paths -------------------------------------------------------------------------------------------
+    def _path(self, kind: str, key: str, suffix: str, pattern: re.Pattern) -> Path:
+        """root/kind/key.suffix, once the key is checked against its pattern and the path stays inside root."""
+        if not isinstance(key, str) or not pattern.match(key):
+            raise ValueError(f"{kind} key {key!r} is not a {pattern.pattern} hex digest")
+        return confined_path(self.root, f"{kind}/{key}{suffix}")
+
+    def _entry(self, kind: str, key: str) -> Optional[Path]:
+        """The path of an entry or plan, or None (with a warning) when this cache directory cannot hold it safely."""
+        try:
+            return self._path(kind, key, ".json", _ENTRY_KEY)
+        except UnsafePathError as exc:
+            warnings.warn(f"ttftc compile cache: not using {self.root}: {exc}", stacklevel=4)
+            return None
+
     # -- graphs ------------------------------------------------------------------------------------------
     def load_graph(self, model, config: Config, signature: GraphSignature,
                    device: torch.device) -> Optional[GraphProgram]:
-        path = self.root / "entries" / f"{self.graph_key(model, config, signature, device)}.json"
-        if not path.exists():
+        path = self._entry("entries", self.graph_key(model, config, signature, device))
+        if path is None or not os.path.lexists(path):
             self.misses += 1
             return None
         try:
-            data = json.loads(path.read_text())
-            program = decode_program(data["program"], lambda key: self._load_blob(key, device))
+            data = json.loads(read_regular(path))
+            if as_str(field(data, "signature", ""), "signature") != signature.name:
+                raise GraphFormatError(f"the entry holds graph {data['signature']!r}, not {signature.name}")
+            program = decode_program(field(data, "program", ""), lambda key: self._load_blob(key, device))
+            if program.signature != signature:
+                raise GraphFormatError(f"the entry's graph is for {program.signature}, not {signature}")
         except Exception as exc:  # anything wrong with an entry means: rebuild it
             self._discard(path, exc)
             self.misses += 1
@@ -110,32 +135,35 @@ class CompileCache:
         return program
 
     def store_graph(self, model, config: Config, program: GraphProgram, device: torch.device) -> None:
-        key = self.graph_key(model, config, program.signature, device)
+        path = self._entry("entries", self.graph_key(model, config, program.signature, device))
         try:
+            if path is None:
+                return
             encoded = encode_program(program, self._store_blob)
         except Exception as exc:  # a graph that cannot be saved still runs; it is just not cached
             warnings.warn(f"ttftc compile cache: graph {program.signature.name} not cached: {exc}", stacklevel=3)
             return
-        write_json(self.root / "entries" / f"{key}.json", {"program": encoded, "signature": program.signature.name})
+        write_json(path, {"program": encoded, "signature": program.signature.name})
 
     # -- plans -------------------------------------------------------------------------------------------
-    def load_plan(self, model, config: Config, buckets: tuple[int, ...]) -> Optional[BucketPlan]:
-        from ttftc.buckets.compiled import model_device
-
-        path = self.root / "plans" / f"{self.plan_key(model, buckets, model_device(model, config))}.json"
-        if not path.exists():
+    def load_plan(self, model, device: torch.device, buckets: tuple[int, ...]) -> Optional[BucketPlan]:
+        """The plan stored for this model and bucket table, or None; a plan for another table is discarded."""
+        path = self._entry("plans", self.plan_key(model, buckets, device))
+        if path is None or not os.path.lexists(path):
             return None
         try:
-            return BucketPlan.from_dict(json.loads(path.read_text()))
+            plan = plan_from_json(json.loads(read_regular(path)), "")
+            if plan.buckets != tuple(buckets):
+                raise ValueError(f"the stored plan is for buckets {list(plan.buckets)}, not {list(buckets)}")
         except Exception as exc:
             self._discard(path, exc)
             return None
+        return plan
 
-    def store_plan(self, model, config: Config, buckets: tuple[int, ...], plan: BucketPlan) -> None:
-        from ttftc.buckets.compiled import model_device
-
-        key = self.plan_key(model, buckets, model_device(model, config))
-        write_json(self.root / "plans" / f"{key}.json", plan.to_dict())
+    def store_plan(self, model, device: torch.device, buckets: tuple[int, ...], plan: BucketPlan) -> None:
+        path = self._entry("plans", self.plan_key(model, buckets, device))
+        if path is not None:
+            write_json(path, plan.to_dict())
 
     # -- constants ---------------------------------------------------------------------------------------
     def _hash(self, t: torch.Tensor) -> str:
@@ -149,8 +177,8 @@ class CompileCache:
         from safetensors.torch import save_file
 
         key = self._hash(t)
-        path = self.root / "blobs" / f"{key}.safetensors"
-        if not path.exists():
+        path = self._path("blobs", key, ".safetensors", SHA256_HEX)
+        if not os.path.lexists(path):
             with atomic_path(path) as tmp:
                 save_file({"t": t.detach().contiguous().cpu()}, str(tmp))
         return key
@@ -161,15 +189,13 @@ class CompileCache:
         cached = self._blobs.get(key)
         if cached is not None:
             return cached
-        path = self.root / "blobs" / f"{key}.safetensors"
-        if not path.exists():
-            raise FileNotFoundError(f"constant {path.name} is missing")
+        path = self._path("blobs", key, ".safetensors", SHA256_HEX)  # before the key touches the filesystem
         try:
-            tensor = load_file(str(path), device=str(device))["t"]
+            tensor = load_file(str(regular_file(path)), device=str(device))["t"]
             if tensor_hash(tensor) != key:
                 raise ValueError(f"constant {path.name} does not match its checksum")
         except Exception:
-            path.unlink(missing_ok=True)  # let the rebuild write a good copy
+            path.unlink(missing_ok=True)  # a confined blob of this cache: let the rebuild write a good copy
             raise
         self._blobs[key] = tensor
         return tensor

@@ -5,11 +5,19 @@ the KV payload that the model produced for those tokens *given every token above
 a prompt prefix, so the longest match is a walk down the tree. Only full blocks are cached: a partial block would
 have to be copied on every extension and cannot be shared safely.
 
-Namespaces: the namespace of a request is its `tenant`. Two tenants never share a node, so a tenant can never learn
-(by a faster first token) that another tenant sent a prefix. Prompt-cache timing is a real side channel (InputSnatch,
-PromptPeek); the tenant must therefore come from the host application's notion of identity, never from a field the
-client controls. A host that wants to share, say, a public system prompt across its users passes the same tenant
-for them on purpose.
+Namespaces: the namespace of a request is its `tenant`, a string. Two tenants never share a node, so a tenant can
+never learn (by a faster first token, or by `FirstToken.cached_tokens`) that another tenant sent a prefix.
+Prompt-cache timing is a real side channel (InputSnatch, PromptPeek); the tenant must therefore come from the host
+application's notion of identity, never from a field the client controls. A host that wants to share, say, a public
+system prompt across its users passes the same tenant for them on purpose. `tenant=None` (a caller that named no
+tenant) shares with nobody: each such call gets a private namespace of its own, which no later call can name, so
+nothing is looked up and nothing is stored for it. A host that wants the unnamed callers to share one namespace says
+so with `PrefixCache(shared_default=True)`. Tenants are compared as strings only: `1`, `1.0` and `True` would be
+equal as dict keys, so anything but a str (or None) is a TypeError.
+
+Binding: `bind(..., owner=model)` ties the cache to the model whose KV it holds through a weak reference and an
+`is` check, for good: a new model allocated at a freed model's address is never served the old model's KV, and
+once the bound model is freed the cache refuses every other model.
 
 Lifetime: `match` and `insert` return a `CacheLease` that holds one reference on every block of its chain. A block
 with references is never evicted. Unreferenced leaves are evicted least recently used first when an insert needs
@@ -26,8 +34,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -35,6 +44,17 @@ DEFAULT_BLOCK_SIZE = 16
 
 BlockPayload = torch.Tensor
 MakeBlock = Callable[[int], BlockPayload]
+_PRIVATE = object()  # the namespace of an unnamed caller when nothing is shared by default: found in no tree
+
+
+def _namespace(tenant: Optional[str], shared_default: bool) -> object:
+    """The tree a tenant's blocks live in: its name, None for the shared default, or _PRIVATE for no tree."""
+    if tenant is None:
+        return None if shared_default else _PRIVATE
+    if not isinstance(tenant, str):
+        raise TypeError(f"tenant must be a str (or None: a private namespace), got {type(tenant).__name__} "
+                        f"{tenant!r}; convert ids to strings so that 1, 1.0 and True cannot name the same tenant")
+    return str.__str__(tenant)  # a plain str: a subclass cannot bring its own __eq__ or __hash__
 
 
 class LeaseReleasedError(RuntimeError):
@@ -80,7 +100,7 @@ class CacheLease:
     `blocks` are the KV payloads in prompt order. Hold the lease while the KV is in use; `release()` it after.
     """
 
-    def __init__(self, cache: "PrefixCache", nodes: list[_Node], tenant: Hashable):
+    def __init__(self, cache: "PrefixCache", nodes: list[_Node], tenant: Optional[str]):
         self._cache = cache
         self._nodes = nodes
         self.tenant = tenant
@@ -111,19 +131,25 @@ class PrefixCache:
 
     `block_bytes` (the size of one block's payload) may be given up front; otherwise the first `bind` or `insert`
     fixes it. Either way a budget that cannot hold a single block is refused with a ValueError.
+    `shared_default=True` makes `tenant=None` one namespace shared by every unnamed caller; by default each
+    unnamed call is private (see the module docstring).
     """
 
-    def __init__(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE, *, block_bytes: Optional[int] = None):
+    def __init__(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE, *, block_bytes: Optional[int] = None,
+                 shared_default: bool = False):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 1:
             raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+        if not isinstance(shared_default, bool):
+            raise TypeError(f"shared_default must be True or False, got {shared_default!r}")
         self.block_size = block_size
         self.budget_bytes = budget_bytes
+        self.shared_default = shared_default
         self._lock = threading.RLock()
-        self._roots: dict[Hashable, _Node] = {}
+        self._roots: dict[Optional[str], _Node] = {}  # None: the shared default namespace
         self._block_bytes: Optional[int] = None
-        self._owner_id: Optional[int] = None
+        self._owner: Optional[Callable[[], object]] = None  # a weak reference (a strong one if weakref is refused)
         self._clock = itertools.count(1)
         # Min-heap of (last_access, tiebreak, node) over evictable leaves; stale entries are skipped lazily.
         self._evictable: list[tuple[int, int, _Node]] = []
@@ -144,13 +170,12 @@ class PrefixCache:
         """Fix the payload size and, optionally, the model whose KV this cache holds.
 
         KV is only meaningful for the weights that produced it, so one cache serves one model: binding a second,
-        different owner raises ValueError instead of silently serving one model's KV to another.
+        different owner raises ValueError instead of silently serving one model's KV to another. The owner is held
+        weakly and compared by identity; after it is freed no other model can bind (use a new PrefixCache).
         """
         with self._lock:
             if owner is not None:
-                if self._owner_id is not None and self._owner_id != id(owner):
-                    raise ValueError("this PrefixCache already holds KV of another model; use one cache per model")
-                self._owner_id = id(owner)
+                self._bind_owner(owner)
             if self._block_bytes is None:
                 self._set_block_bytes(block_bytes)
             elif self._block_bytes != block_bytes:
@@ -158,6 +183,18 @@ class PrefixCache:
                     f"this PrefixCache holds blocks of {self._block_bytes} bytes; a block of {block_bytes} bytes "
                     "comes from a different model geometry"
                 )
+
+    def _bind_owner(self, owner: object) -> None:
+        if self._owner is not None:
+            bound = self._owner()
+            if bound is not owner:
+                gone = " (since freed)" if bound is None else ""
+                raise ValueError(f"this PrefixCache already holds KV of another model{gone}; use one cache per model")
+            return
+        try:
+            self._owner = weakref.ref(owner)
+        except TypeError:  # not weak-referenceable: hold it, so its address cannot be reused while bound
+            self._owner = lambda: owner
 
     def _set_block_bytes(self, block_bytes: int) -> None:
         if not isinstance(block_bytes, int) or block_bytes < 1:
@@ -176,8 +213,8 @@ class PrefixCache:
         bs = self.block_size
         return [tuple(int(t) for t in tokens[i * bs:(i + 1) * bs]) for i in range(limit // bs)]
 
-    def _walk(self, tenant: Hashable, keys: list[tuple[int, ...]]) -> list[_Node]:
-        node = self._roots.get(tenant)
+    def _walk(self, namespace: object, keys: list[tuple[int, ...]]) -> list[_Node]:
+        node = self._roots.get(namespace) if namespace is not _PRIVATE else None
         chain: list[_Node] = []
         if node is None:
             return chain
@@ -188,14 +225,16 @@ class PrefixCache:
             chain.append(node)
         return chain
 
-    def match(self, tokens: Sequence[int], *, tenant: Hashable = None, max_tokens: Optional[int] = None) -> CacheLease:
+    def match(self, tokens: Sequence[int], *, tenant: Optional[str] = None,
+              max_tokens: Optional[int] = None) -> CacheLease:
         """Lease the longest cached prefix of `tokens` (at most `max_tokens` tokens, in whole blocks).
 
         Counts len(tokens) queried tokens and the leased length as hit tokens.
         """
+        namespace = _namespace(tenant, self.shared_default)
         keys = self._block_keys(tokens, max_tokens)
         with self._lock:
-            chain = self._walk(tenant, keys)
+            chain = self._walk(namespace, keys)
             self._acquire(chain)
             lease = CacheLease(self, chain, tenant)
             self._queries += 1
@@ -203,30 +242,35 @@ class PrefixCache:
             self._hit_tokens += lease.num_tokens
             return lease
 
-    def cached_tokens(self, tokens: Sequence[int], *, tenant: Hashable = None) -> int:
+    def cached_tokens(self, tokens: Sequence[int], *, tenant: Optional[str] = None) -> int:
         """How many leading tokens a `match` would serve now; takes no reference and counts nothing."""
+        namespace = _namespace(tenant, self.shared_default)
         keys = self._block_keys(tokens, None)
         with self._lock:
-            return len(self._walk(tenant, keys)) * self.block_size
+            return len(self._walk(namespace, keys)) * self.block_size
 
     # ---- insertion ----------------------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], make_block: MakeBlock, *, tenant: Hashable = None) -> CacheLease:
+    def insert(self, tokens: Sequence[int], make_block: MakeBlock, *, tenant: Optional[str] = None) -> CacheLease:
         """Cache every full block of `tokens` that is not cached yet; lease the whole cached chain.
 
         `make_block(i)` returns the payload of block i (tokens[i*bs:(i+1)*bs]); it is called only for missing
         blocks and its tensor must not alias memory the caller keeps mutating. When the budget runs out (every
         other block is referenced) insertion stops: the lease then covers a shorter prefix. Insertion never
-        counts as a query.
+        counts as a query. A private call (tenant=None without shared_default) stores nothing: no later call
+        could find it.
         """
+        namespace = _namespace(tenant, self.shared_default)
+        if namespace is _PRIVATE:
+            return CacheLease(self, [], tenant)
         keys = self._block_keys(tokens, None)
         with self._lock:
-            already = len(self._walk(tenant, keys))
+            already = len(self._walk(namespace, keys))
         built = {i: self._checked_payload(make_block(i)) for i in range(already, len(keys))}
         with self._lock:
-            root = self._roots.get(tenant)
+            root = self._roots.get(namespace)
             if root is None:
-                root = self._roots[tenant] = _Node((), None, 0, None)
+                root = self._roots[namespace] = _Node((), None, 0, None)
             node, chain = root, []
             for i, key in enumerate(keys):
                 child = node.children.get(key)
@@ -250,9 +294,9 @@ class PrefixCache:
                 node = child
             # Room-making may have evicted this root's last child and dropped the root meanwhile.
             if root.children:
-                self._roots[tenant] = root
+                self._roots[namespace] = root
             else:
-                self._roots.pop(tenant, None)
+                self._roots.pop(namespace, None)
             return CacheLease(self, chain, tenant)
 
     def _checked_payload(self, payload: BlockPayload) -> BlockPayload:

@@ -12,8 +12,18 @@ default stores None, not the count of the tuning process, so a compiled graph or
 the thread count of the process that runs it; only a count that measurably won is stored as a number. The autotune
 cache key's device name carries the thread count at tuning time (autotune/keys.py).
 
-Switching the count is process-wide, so switched regions hold a lock: two Python threads that run tuned ops at once
-cannot interleave their save and restore and leave the process at the wrong count.
+A stored count is clamped to [1, usable_cores()]: a config read from a cache or an artifact cannot start more threads
+than the process may run on.
+
+Whether switching the count is per thread depends on torch's parallel backend. With OpenMP (the backend of the
+Linux CPU wheels, this project's supported builds), `torch.set_num_threads` sets the calling thread's OpenMP ICV and
+MKL's thread-local count: another thread that has already run parallel ATen work keeps its own count. That was
+measured on torch 2.13.0+cpu (tests/security/test_small_items.py checks it): a thread at 1 thread left a 1500x1500
+matmul in another thread at its 2-thread speed (0.197 s for 6, against 0.198 s before and 0.384 s on 1 thread). So
+on OpenMP builds switched regions run concurrently; on other backends, whose pool every thread shares, they hold a
+lock so that two threads cannot interleave their save and restore. One caveat on OpenMP remains: torch also records
+the last count set as the default of threads that have not yet run parallel work, so a thread whose first parallel
+op starts while another thread is switched begins at the switched count.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import torch
 from ttftc.autotune.space import Problem, SearchSpace
 
 KNOB = "num_threads"
-_SWITCH_LOCK = threading.Lock()
+_SWITCH_LOCK = threading.Lock()  # only where the count is shared by every thread (see the module docstring)
 
 
 def usable_cores() -> int:
@@ -53,13 +63,19 @@ def thread_counts(cores: Optional[int] = None) -> tuple[int, ...]:
     return tuple(counts)
 
 
+@functools.lru_cache(maxsize=1)
+def count_is_per_thread() -> bool:
+    """Whether `torch.set_num_threads` changes only the calling thread's count (OpenMP builds)."""
+    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 @contextlib.contextmanager
 def intra_op_threads(n: Optional[int]) -> Iterator[None]:
     """Run the body under `n` intra-op threads (None or the current count: no change), then restore."""
     if n is None or int(n) == torch.get_num_threads():
         yield
         return
-    with _SWITCH_LOCK:
+    with contextlib.nullcontext() if count_is_per_thread() else _SWITCH_LOCK:
         previous = torch.get_num_threads()
         torch.set_num_threads(int(n))
         try:
@@ -69,8 +85,13 @@ def intra_op_threads(n: Optional[int]) -> Iterator[None]:
 
 
 def threads_of(tuning_config: Optional[dict]) -> Optional[int]:
+    """The config's thread count, clamped to the cores this process may use (None: keep the current count)."""
     value = (tuning_config or {}).get(KNOB)
-    return None if value is None else int(value)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"tuning_config[{KNOB!r}] must be an int or None, got {value!r}")
+    return max(1, min(value, usable_cores()))
 
 
 def honours_num_threads(impl: Callable) -> Callable:
