@@ -86,7 +86,7 @@ def _explicit_counts() -> set:
     return set(thread_counts()) - {torch.get_num_threads()}
 
 
-def test_plain_causal_attention_searches_only_the_thread_count():
+def test_plain_causal_attention_searches_its_kernel_and_the_thread_count_only():
     load_providers()
     spec = TensorSpec((1, 2, 16, 8), torch.float32)
     problem = Problem("attention", "cpu", (spec, spec, spec),
@@ -94,8 +94,10 @@ def test_plain_causal_attention_searches_only_the_thread_count():
     allowed, pruned = space_for("attention", "cpu").candidates(problem)
     counts = {c["num_threads"] for c in allowed}
     assert counts == {None} | _explicit_counts()
-    assert len(allowed) == len(counts), "the path knobs must not multiply the candidates of plain causal attention"
-    assert pruned and all("no path knob" in reason or "current thread count" in reason for _, reason in pruned)
+    kernels = {(c["causal_kernel"], c["gemm_block_rows"]) for c in allowed}
+    # flash once, gemm_blocks per block size; the offset/window knobs never multiply plain causal candidates
+    assert len(allowed) == len(counts) * len(kernels) and len(kernels) == 4
+    assert pruned and all("ignores" in reason or "current thread count" in reason for _, reason in pruned)
 
 
 INT8_PROBLEM = Problem(

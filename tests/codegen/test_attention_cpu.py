@@ -18,6 +18,13 @@ FP32_TOL = (1e-5, 1e-5)
 SCALE = 0.3
 
 
+@pytest.fixture(autouse=True)
+def flash_for_plain_causal(monkeypatch):
+    """Plain causal cases here run ATen's flash kernel whatever this CPU measured faster: the GEMM-blocked kernel,
+    with its own (bf16-score) tolerances, is tested in test_attention_gemm_blocks_cpu.py."""
+    monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "causal_kernel", "flash")
+
+
 @pytest.fixture(params=["one-masked-call", "memory-bounded"])
 def path(request, monkeypatch):
     """Offset and window cases take an explicit mask when small, else the rewrites; test cases are small, so the
@@ -54,12 +61,14 @@ def test_plain_attention(length, causal, q_offset):
     _check(1, 4, 2, length, length, causal=causal, q_offset=q_offset)
 
 
-@pytest.mark.parametrize("sq,skv,q_offset", [(17, 40, 23), (9, 30, 4), (1, 50, 49), (8, 8, 20)])
+@pytest.mark.parametrize("sq,skv,q_offset", [(17, 40, 23), (9, 30, 4), (1, 50, 49), (8, 8, 20), (5, 10, 10),
+                                             (5, 10, 9)])
 def test_causal_offset(path, sq, skv, q_offset):
     _check(1, 4, 1, sq, skv, causal=True, q_offset=q_offset)
 
 
-@pytest.mark.parametrize("window,q_offset", [(1, 0), (7, 0), (300, 0), (5, 10), (600, 0), (7, 33), (40, 290)])
+@pytest.mark.parametrize("window,q_offset", [(1, 0), (7, 0), (300, 0), (5, 10), (600, 0), (7, 33), (40, 290),
+                                             (299, 1), (300, 1)])
 def test_sliding_window(path, window, q_offset):
     _check(1, 2, 2, 300 - q_offset, 300, causal=True, q_offset=q_offset, window=window)
 
@@ -88,11 +97,92 @@ def test_scale_reaches_every_path(path, causal, q_offset, window, scale):
            kv_len=torch.tensor([24 + q_offset, 20]))
 
 
+def test_rows_past_every_window_are_zeros(path):
+    """Queries whose window lies wholly after the last key (positions 40.. with 20 keys, window 5) see nothing."""
+    _check(1, 2, 1, 10, 20, causal=True, q_offset=40, window=5)
+    _check(1, 2, 1, 30, 20, causal=True, q_offset=10, window=5)  # the first rows see keys, the last ones none
+
+
+def test_empty_queries_or_keys_give_an_empty_or_zero_result():
+    q, k, v = _qkv(1, 2, 1, 6, 9, 16)
+    empty_q = attention_cpu(q[:, :, :0], k, v, causal=True, scale=SCALE, q_offset=3)
+    assert empty_q.shape == (1, 2, 0, 16)
+    no_keys = attention_cpu(q, k[:, :, :0], v[:, :, :0], causal=False, scale=SCALE)
+    assert no_keys.shape == (1, 2, 6, 16) and not no_keys.any()
+
+
+def test_the_two_call_causal_merge_handles_every_offset_directly():
+    q, k, v = _qkv(1, 2, 1, 6, 9, 16)
+    for q_offset in (0, 3, 9, 12):
+        expected = attention.reference(q, k, v, causal=True, scale=SCALE, q_offset=q_offset, window=0)
+        got = cpu_attention._causal_from_offset(q, k, v, SCALE, q_offset)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """Which path each call took: "plain" (one flash call, no mask), "mask", "window" or "merge"."""
+    taken = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            taken.append(name)
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(cpu_attention, fn.__name__, wrapped)
+
+    spy("mask", cpu_attention._full_mask)
+    spy("window", cpu_attention._sliding_window)
+    spy("merge", cpu_attention._causal_from_offset)
+    return taken
+
+
+@pytest.mark.parametrize("sq,skv,q_offset,window,small,expected", [
+    (8, 8, 0, 0, 0, []),  # plain causal prefill: one flash call whatever the threshold
+    (8, 8, 0, 8, 0, []),  # a window as long as the prompt hides nothing
+    (8, 8, 0, 7, 0, ["window"]),
+    (8, 8, 0, 7, 64, ["mask"]),  # 8 x 8 pairs: at the threshold, the explicit mask
+    (8, 8, 0, 7, 63, ["window"]),
+    (8, 12, 4, 0, 96, ["mask"]),
+    (8, 12, 4, 0, 95, ["merge"]),
+    (8, 12, 4, 12, 0, ["merge"]),  # window = q_offset + Sq hides nothing: the offset alone decides
+    (8, 12, 4, 11, 0, ["window"]),
+])
+def test_paths_follow_the_documented_thresholds(paths, sq, skv, q_offset, window, small, expected):
+    q, k, v = _qkv(1, 2, 1, sq, skv, 16)
+    params = dict(causal=True, scale=SCALE, q_offset=q_offset, window=window)
+    out = attention_cpu(q, k, v, tuning_config={"small_mask_pairs": small}, **params)
+    assert paths == expected
+    torch.testing.assert_close(out, attention.reference(q, k, v, **params), atol=1e-5, rtol=1e-5)
+
+
+def test_the_output_is_in_the_flash_kernels_layout():
+    q, k, v = _qkv(2, 4, 2, 5, 7, 16)
+    for kwargs in (dict(causal=True), dict(causal=True, q_offset=2), dict(causal=False)):
+        out = attention_cpu(q, k, v, scale=SCALE, **kwargs)
+        assert out.shape == (2, 4, 5, 16) and out.transpose(1, 2).is_contiguous()
+    per_sequence = attention_cpu(q, k, v, torch.tensor([7, 3]), causal=True, scale=SCALE, q_offset=2)
+    assert per_sequence.transpose(1, 2).is_contiguous()
+    fake = cpu_attention._flash_layout_fake(q, k, v[..., :8], causal=True, scale=SCALE)
+    assert fake.shape == (2, 4, 5, 8) and fake.transpose(1, 2).is_contiguous()
+    strided = torch.randn(2, 4, 5, 16)  # [B, H, S, D] contiguous: copied into the flash layout
+    assert cpu_attention._in_flash_layout(strided).transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(cpu_attention._in_flash_layout(strided), strided, atol=0, rtol=0)
+
+
 def test_capability():
     cpu = LoweringContext(device_type="cpu", forced_provider=None)
     q = torch.empty(1, 2, 8, 16, device="meta")
     ok = dict(causal=True, scale=0.25)
     assert _unsupported_reason(cpu, q, q, q, **ok) is None
+    assert _unsupported_reason(cpu, q.half(), q.half(), q.half(), **ok) is None
+    assert _unsupported_reason(cpu, q, q, q, torch.tensor([8]), q_offset=3, window=2, **ok) is None
+    assert "not 4-D" in _unsupported_reason(cpu, q[0], q, q, **ok)
+    assert "not 4-D" in _unsupported_reason(cpu, q, q, q[0], **ok)
+    assert "1-D integer" in _unsupported_reason(cpu, q, q, q, torch.tensor([8.0]), **ok)
+    assert "1-D integer" in _unsupported_reason(cpu, q, q, q, torch.tensor([[8]]), **ok)
+    assert "negative" in _unsupported_reason(cpu, q, q, q, q_offset=-1, **ok)
+    assert "negative" in _unsupported_reason(cpu, q, q, q, window=-1, **ok)
+    assert "dtypes differ" in _unsupported_reason(cpu, q, q, q.half(), **ok)
     assert _unsupported_reason(LoweringContext("cuda", None), q, q, q, **ok) is not None
     assert "dtypes differ" in _unsupported_reason(cpu, q, q.half(), q, **ok)
     assert "head dim" in _unsupported_reason(cpu, q, q, torch.empty(1, 2, 8, 32, device="meta"), **ok)

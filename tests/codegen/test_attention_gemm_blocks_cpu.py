@@ -1,0 +1,98 @@
+"""The CPU attention lowering's second plain-causal kernel, `gemm_blocks` (batched GEMMs per block of query rows),
+and how the lowering picks between it and ATen's flash kernel."""
+
+import pytest
+import torch
+
+from ttftc.autotune.space import Problem, space_for
+from ttftc.codegen.cpu import attention as cpu_attention
+from ttftc.codegen.cpu.attention import attention_cpu
+
+# bf16/fp16: the kernel rounds scores to the input dtype before the (fp32-accumulated) softmax, as Hugging Face's
+# eager attention does, so its error is about twice the flash kernel's (which keeps scores in fp32).
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+def _reference(q, k, v, scale):
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    n = q.shape[2]
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def _qkv(b, h, hkv, s, d, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # Stored as [B, S, H, D] and viewed as [B, H, S, D], as the projections of every model produce them.
+    q = (torch.randn(b, s, h, d, generator=gen) * 2).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(b, s, hkv, d, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,h,hkv,s,rows", [(1, 9, 3, 300, 64), (2, 4, 4, 129, 128), (1, 6, 2, 17, 256),
+                                            (1, 2, 1, 1, 64)])
+def test_gemm_blocks_match_the_reference(dtype, b, h, hkv, s, rows):
+    q, k, v = _qkv(b, h, hkv, s, 32, dtype)
+    out = attention_cpu(q, k, v, causal=True, scale=0.3,
+                        tuning_config={"causal_kernel": "gemm_blocks", "gemm_block_rows": rows})
+    assert out.dtype == dtype and out.shape == (b, h, s, 32)
+    assert out.transpose(1, 2).is_contiguous()  # the flash layout the lowering declares
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), _reference(q, k, v, 0.3), atol=tol, rtol=tol)
+
+
+def test_the_two_kernels_agree_in_fp32():
+    q, k, v = _qkv(1, 8, 2, 200, 64, torch.float32, seed=3)
+    flash = attention_cpu(q, k, v, causal=True, scale=0.3, tuning_config={"causal_kernel": "flash"})
+    blocks = attention_cpu(q, k, v, causal=True, scale=0.3, tuning_config={"causal_kernel": "gemm_blocks"})
+    torch.testing.assert_close(blocks, flash, atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_tuned_kernel_the_measured_faster_one_runs(monkeypatch):
+    ran = []
+    real = cpu_attention._causal_gemm_blocks
+    monkeypatch.setattr(cpu_attention, "_causal_gemm_blocks", lambda *a: ran.append("gemm_blocks") or real(*a))
+    monkeypatch.setattr(cpu_attention, "causal_kernel_seconds", lambda dtype: {"flash": 2.0, "gemm_blocks": 1.0})
+    q, k, v = _qkv(1, 4, 4, 40, 16, torch.bfloat16)
+    attention_cpu(q, k, v, causal=True, scale=0.25)
+    assert ran == ["gemm_blocks"]
+    monkeypatch.setattr(cpu_attention, "causal_kernel_seconds", lambda dtype: {"flash": 1.0, "gemm_blocks": 2.0})
+    attention_cpu(q, k, v, causal=True, scale=0.25)
+    assert ran == ["gemm_blocks"]  # flash this time
+
+
+def test_fp32_takes_flash_without_a_measurement(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "causal_kernel_seconds", lambda dtype: pytest.fail("measured fp32"))
+    assert cpu_attention.fastest_causal_kernel(torch.float32) == "flash"
+
+
+def test_offset_window_and_kv_len_cases_never_take_gemm_blocks(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_causal_gemm_blocks", lambda *a: pytest.fail("gemm_blocks on a masked case"))
+    tuning = {"causal_kernel": "gemm_blocks"}
+    q, k, v = _qkv(2, 4, 2, 30, 16, torch.float32)
+    attention_cpu(q, k, v, causal=True, scale=0.25, q_offset=5, tuning_config=tuning)
+    attention_cpu(q, k, v, causal=True, scale=0.25, window=7, tuning_config=tuning)
+    attention_cpu(q, k, v, torch.tensor([20, 11]), causal=True, scale=0.25, tuning_config=tuning)
+    attention_cpu(q, k, v, causal=False, scale=0.25, tuning_config=tuning)
+
+
+def _problem(q_offset=0, window=0, dtype=torch.bfloat16):
+    q, k, v = _qkv(1, 4, 2, 64, 16, dtype)
+    return Problem.from_meta("attention", "cpu", (q, k, v), {"causal": True, "scale": 0.25, "q_offset": q_offset,
+                                                               "window": window})
+
+
+def test_autotune_tries_each_kernel_only_where_it_applies(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "causal_kernel_seconds", lambda dtype: {"flash": 2.0, "gemm_blocks": 1.0})
+    space = space_for("attention", "cpu", "cpu")
+    plain, _ = space.candidates(_problem())
+    assert plain[0]["causal_kernel"] == "gemm_blocks"  # the default: the measured faster kernel
+    kernels = {(c["causal_kernel"], c["gemm_block_rows"]) for c in plain}
+    assert ("flash", cpu_attention.DEFAULT_TUNING["gemm_block_rows"]) in kernels
+    assert {rows for kernel, rows in kernels if kernel == "gemm_blocks"} == {64, 128, 256}
+    assert {rows for kernel, rows in kernels if kernel == "flash"} == {cpu_attention.DEFAULT_TUNING["gemm_block_rows"]}
+    assert all(c["small_mask_pairs"] == cpu_attention.DEFAULT_TUNING["small_mask_pairs"] for c in plain)
+    offset, _ = space.candidates(_problem(q_offset=8))
+    assert {c["causal_kernel"] for c in offset} == {"gemm_blocks"} and len({c["small_mask_pairs"] for c in offset}) > 1
