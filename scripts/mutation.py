@@ -26,12 +26,14 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = REPO / "scripts" / "mutation_equivalent.toml"
@@ -71,7 +73,7 @@ GROUPS: dict[str, Group] = {
     ),
     "scheduler": Group(
         ("ttftc/runtime/scheduler.py",),
-        ("tests/runtime/test_sessions_and_scheduler.py",),
+        ("tests/runtime/test_scheduler_logic.py", "tests/runtime/test_sessions_and_scheduler.py"),
     ),
     "prefix-cache": Group(
         ("ttftc/runtime/prefix_cache.py",),
@@ -142,7 +144,23 @@ def prepare(name: str, fresh: bool) -> Path:
     return root
 
 
-def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool) -> int:
+def _call(command: list[str], cwd: Path, env: dict, minutes: Optional[float]) -> int:
+    """Run mutmut; after `minutes`, interrupt it the way Ctrl-C does (it keeps every result it has)."""
+    process = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True)
+    try:
+        return process.wait(timeout=None if minutes is None else minutes * 60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        print(f"stopped after {minutes} minutes; run again to go on", flush=True)
+        return 0
+
+
+def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool, minutes: Optional[float] = None) -> int:
     root = prepare(name, fresh)
     mutmut = shutil.which("mutmut") or str(Path(sys.executable).with_name("mutmut"))
     env = {**os.environ, "PYTHONPATH": ""}  # the copy, not the checkout, is what the tests import
@@ -152,7 +170,7 @@ def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool) -> int:
     print(f"== {name}: mutmut in {root}" + (f", retrying {len(again)} survivors" if again else ""), flush=True)
     if retest_survivors and not again:
         return 0
-    return subprocess.call([mutmut, "run", "--max-children", str(jobs), *again], cwd=root, env=env)
+    return _call([mutmut, "run", "--max-children", str(jobs), *again], root, env, minutes)
 
 
 # -- the report ----------------------------------------------------------------------------------------------
@@ -187,7 +205,8 @@ def report(names) -> int:
     equivalent = equivalent_mutants()
     seen: set[str] = set()
     below = 0
-    header = f"{'module':48} {'mutants':>7} {'killed':>6} {'survived':>8} {'no test':>7} {'timeout':>7} {'equiv':>5} {'score':>6}"
+    header = (f"{'module':44} {'mutants':>7} {'killed':>6} {'timeout':>7} {'survived':>8} {'no test':>7} "
+              f"{'equiv':>5} {'unrun':>5} {'score':>6}")
     print(header)
     for name in names:
         for module, statuses in results(name).items():
@@ -195,12 +214,14 @@ def report(names) -> int:
             equiv = sum(1 for mutant, status in statuses.items() if mutant in equivalent and status != "killed")
             seen.update(m for m in statuses if m in equivalent and statuses[m] != "killed")
             detected = counts["killed"] + counts["timeout"] + counts["segfault"] + counts["caught by type check"]
-            judged = len(statuses) - equiv
+            unrun = counts["not checked"]
+            judged = len(statuses) - equiv - unrun
             score = detected / judged if judged else 1.0
-            below += score < 0.85
-            print(f"{module:48} {len(statuses):7} {counts['killed']:6} {counts['survived']:8} {counts['no tests']:7} "
-                  f"{counts['timeout']:7} {equiv:5} {score:6.1%}")
-            undecided = sorted(m for m, s in statuses.items() if s not in ("killed", "timeout") and m not in equivalent)
+            below += score < 0.85 or unrun > 0
+            print(f"{module:44} {len(statuses):7} {counts['killed']:6} {counts['timeout']:7} {counts['survived']:8} "
+                  f"{counts['no tests']:7} {equiv:5} {unrun:5} {score:6.1%}")
+            undecided = sorted(m for m, s in statuses.items()
+                               if s not in ("killed", "timeout", "not checked") and m not in equivalent)
             for mutant in undecided:
                 print(f"    {statuses[mutant]:10} {mutant}")
     stale = sorted(set(equivalent) - seen)
@@ -219,6 +240,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fresh", action="store_true", help="drop earlier results of these groups first")
     parser.add_argument("--retest-survivors", action="store_true",
                         help="run the surviving mutants of earlier runs again (after adding tests)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="stop each group's run after this long (its results are kept; run again to go on)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.groups) - set(GROUPS))
     if unknown:
@@ -231,7 +254,7 @@ def main(argv=None) -> int:
     if not args.report:
         jobs = int(os.environ.get("TTFTC_MUTATION_JOBS", "1"))
         for name in names:
-            if run_group(name, jobs, args.fresh, args.retest_survivors) != 0:
+            if run_group(name, jobs, args.fresh, args.retest_survivors, args.minutes) != 0:
                 print(f"mutmut failed for group {name}", file=sys.stderr)
     return report(names)
 

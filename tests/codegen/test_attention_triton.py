@@ -19,6 +19,8 @@ from tests.helpers import TOLERANCES, assert_logits_match, compile_and_run, need
 pytestmark = [needs_triton, pytest.mark.interpreter]
 
 FP32_TOL = (1e-5, 1e-5)
+# Not head_dim**-0.5 (what a kernel would fall back to): a kernel that ignores `scale` fails every check.
+SCALE = 0.3
 
 
 def _triton():
@@ -27,13 +29,13 @@ def _triton():
     return triton_attention
 
 
-def _check(b, hq, hkv, sq, skv, d, *, causal, q_offset=0, window=0, dtype=torch.float32, kv_len=None, config=None):
+def _check(b, hq, hkv, sq, skv, d, *, causal, q_offset=0, window=0, dtype=torch.float32, kv_len=None, config=None,
+           scale=SCALE):
     mod = _triton()
     gen = torch.Generator().manual_seed(sq * 131 + skv)
     q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
     k = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
     v = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
-    scale = d ** -0.5
     out = mod.launch(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window, config=config)
     expected = attention.reference(q.float(), k.float(), v.float(), kv_len, causal=causal, scale=scale,
                                    q_offset=q_offset, window=window)
@@ -65,6 +67,7 @@ def test_q_offset_that_is_not_bottom_right():
 @pytest.mark.parametrize("window", [1, 5, 40])
 def test_sliding_window(window):
     _check(1, 2, 2, 70, 70, 16, causal=True, window=window)
+    _check(1, 2, 2, 60, 70, 16, causal=True, q_offset=10, window=window)
 
 
 def test_per_sequence_kv_len():
@@ -75,11 +78,13 @@ def test_per_sequence_kv_len():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_dtypes(dtype):
     _check(1, 2, 1, 45, 45, 32, causal=True, dtype=dtype)
+    _check(1, 2, 1, 30, 45, 32, causal=True, q_offset=15, dtype=dtype)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_production_head_dims(head_dim):
-    _check(1, 1, 1, 19, 19, head_dim, causal=True, dtype=torch.float16)
+    _check(1, 1, 1, 19, 19, head_dim, causal=True, dtype=torch.float16, scale=head_dim ** -0.5)
+    _check(1, 1, 1, 19, 23, head_dim, causal=True, q_offset=4, dtype=torch.float16)
 
 
 def test_any_config_from_the_search_space_runs():
@@ -151,15 +156,15 @@ def test_unsupported_head_dim_falls_back_to_the_reference():
 
 
 def _check_persistent(b, hq, hkv, sq, skv, d, *, programs, block_m=16, block_n=16, causal=True, q_offset=0, window=0,
-                      dtype=torch.float32, kv_len=None):
+                      dtype=torch.float32, kv_len=None, scale=SCALE):
     mod = _triton()
     gen = torch.Generator().manual_seed(sq * 7 + programs)
     q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
     k = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
     v = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
-    out = mod.launch_persistent(q, k, v, kv_len, causal=causal, scale=d ** -0.5, q_offset=q_offset, window=window,
+    out = mod.launch_persistent(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window,
                                 block_m=block_m, block_n=block_n, programs=programs)
-    expected = attention.reference(q.float(), k.float(), v.float(), kv_len, causal=causal, scale=d ** -0.5,
+    expected = attention.reference(q.float(), k.float(), v.float(), kv_len, causal=causal, scale=scale,
                                    q_offset=q_offset, window=window)
     atol, rtol = FP32_TOL if dtype == torch.float32 else TOLERANCES[dtype]
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
@@ -177,12 +182,14 @@ def test_persistent_kernel_odd_lengths_and_gqa(causal):
 
 def test_persistent_kernel_window_offset_and_kv_len():
     _check_persistent(1, 2, 2, 70, 70, 16, programs=5, window=9)
+    _check_persistent(1, 2, 2, 60, 70, 16, programs=5, q_offset=10, window=9)
     _check_persistent(3, 2, 1, 33, 40, 16, programs=4, q_offset=7, kv_len=torch.tensor([40, 12, 0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_persistent_kernel_half_precision(dtype):
     _check_persistent(1, 2, 1, 45, 45, 64, programs=3, block_m=32, block_n=32, dtype=dtype)
+    _check_persistent(1, 2, 1, 30, 45, 64, programs=3, block_m=32, block_n=32, q_offset=15, dtype=dtype)
 
 
 def test_persistent_kernel_needs_a_program():

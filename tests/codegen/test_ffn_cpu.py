@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 import ttftc
 from tests.helpers import TOLERANCES, assert_logits_match, needs_transformers
@@ -108,3 +109,53 @@ def test_cpu_gemm_ops_expose_the_backend_and_column_block_knobs():
     for op in ("gated_ffn", "linear_act", "norm_linear", "linear"):
         axes = space_for(op, "cpu").axes
         assert axes["n_block"] == (0, 512, 1024, 2048) and axes["gemm"] == ("onednn", "blas")
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_activations_run_in_place_and_match_torch(act):
+    from ttftc.codegen.cpu.ffn import activation_
+
+    x = torch.randn(4, 9)
+    expected = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu,
+                "relu": F.relu}[act](x)
+    buffer = x.clone()
+    out = activation_(buffer, act)
+    assert out.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(out, expected)
+
+
+def test_an_unknown_activation_is_refused_by_name():
+    from ttftc.codegen.cpu.ffn import activation_
+
+    with pytest.raises(ValueError, match="Unknown activation 'swish'"):
+        activation_(torch.randn(2), "swish")
+
+
+def test_every_gated_and_linear_act_refusal():
+    (gated,) = [e for e in lowerings_for("gated_ffn") if e.provider == "cpu"]
+    (linear,) = [e for e in lowerings_for("linear_act") if e.provider == "cpu"]
+    x, w_gu, w_d, b_gu, b_d = _weights(torch.float32, bias=True)
+    assert gated.unsupported_reason(CPU, x, w_gu, w_d, b_gu, b_d, act="gelu") is None
+    assert "activation 'swish'" in gated.unsupported_reason(CPU, x, w_gu, w_d, act="swish")
+    assert "gated FFN" in gated.unsupported_reason(CPU, x, w_gu, w_d[:, :-1], act="silu")
+    assert "gated FFN" in gated.unsupported_reason(CPU, x, w_gu[:, :-1], w_d, act="silu")
+    assert "bias of shape (3,)" in gated.unsupported_reason(CPU, x, w_gu, w_d, b_gu[:3], act="silu")
+    assert "bias of shape (3,)" in gated.unsupported_reason(CPU, x, w_gu, w_d, b_gu, b_d[:3], act="silu")
+    assert "bias of shape" in gated.unsupported_reason(CPU, x, w_gu, w_d, b_gu[None], act="silu")
+    assert "bias of shape" in gated.unsupported_reason(CPU, x, w_gu, w_d, b_gu.half(), act="silu")
+    assert "weight dtype" in gated.unsupported_reason(CPU, x, w_gu, w_d.half(), act="silu")
+    assert linear.unsupported_reason(CPU, x, w_gu, b_gu, act="relu") is None
+    assert "activation 'swish'" in linear.unsupported_reason(CPU, x, w_gu, act="swish")
+    assert "does not fit input width" in linear.unsupported_reason(CPU, x, w_gu[:, :-1], act="relu")
+    assert "bias of shape" in linear.unsupported_reason(CPU, x, w_gu, b_gu[:3], act="relu")
+    assert "tensors on cuda" in linear.unsupported_reason(LoweringContext("cuda", None), x, w_gu, act="relu")
+
+
+@pytest.mark.parametrize("tuning", [{"gemm": "blas", "n_block": 16}, {"gemm": "blas", "n_block": 0},
+                                    {"gemm": "onednn", "n_block": 0}, {"num_threads": 1}])
+def test_every_gemm_config_gives_the_reference_numbers(tuning):
+    x, w_gu, w_d, b_gu, b_d = _weights(torch.float32, bias=True)
+    torch.testing.assert_close(gated_ffn_cpu(x, w_gu, w_d, b_gu, b_d, act="silu", tuning_config=tuning),
+                               gated_ffn(x, w_gu, w_d, b_gu, b_d, act="silu"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear_act_cpu(x, w_gu, b_gu, act="gelu", tuning_config=tuning),
+                               linear_act(x, w_gu, b_gu, act="gelu"), atol=1e-5, rtol=1e-5)

@@ -86,3 +86,87 @@ def test_capability_checks_explain_refusals():
     assert "cuda" in cpu._int8_linear_reason(cuda, x, None, w, s, None, out_dtype=torch.float32)
     assert "int8" in cpu._int8_linear_reason(CPU, x, s[:4], w, s, None, out_dtype=torch.float32)
     assert "fit" in cpu._int8_linear_reason(CPU, torch.randn(4, 32), None, w, s, None, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "relu"])
+def test_gated_ffn_int8_with_biases_and_a_prequantised_input(out_dtype, act):
+    torch.manual_seed(5)
+    tokens = cpu.ROW_BLOCK + 9  # two row blocks, each with the biases
+    x = torch.randn(1, tokens, 64)
+    xq, xs = quantize_per_token(x)
+    w_gu, s_gu = _weights(2 * 32, 64, seed=6)
+    w_d, s_d = _weights(64, 32, seed=7)
+    b_gu, b_d = torch.randn(64) * 0.5, torch.randn(64) * 0.5
+    args = (xq, xs, w_gu, s_gu, w_d, s_d, b_gu, b_d)
+    expected = gated_ffn_int8.reference(*args, act=act, out_dtype=out_dtype)
+    actual = cpu.gated_ffn_int8_cpu(*args, act=act, out_dtype=out_dtype)
+    assert actual.shape == (1, tokens, 64) and actual.dtype == out_dtype
+    tol = 2e-3 if out_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol * expected.abs().max().item(), rtol=0)
+
+
+def test_dequantisation_scales_rows_and_columns_then_adds_the_bias():
+    acc = torch.tensor([[10, -20, 30], [1, 2, 3]], dtype=torch.int32)
+    x_scale, w_scale, bias = torch.tensor([0.5, 2.0]), torch.tensor([1.0, 0.1, 3.0]), torch.tensor([1.0, 2.0, 3.0])
+    expected = acc.double() * x_scale.double()[:, None] * w_scale.double()[None, :] + bias.double()
+    out = cpu.dequant_epilogue(acc, x_scale, w_scale, bias, torch.float32)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected)
+    assert cpu.dequant_epilogue(acc, x_scale, w_scale, None, torch.bfloat16).dtype == torch.bfloat16
+    torch.testing.assert_close(cpu.dequant_epilogue(acc, x_scale, w_scale, None, torch.float32).double(),
+                               expected - bias.double())
+
+
+def test_quantize_rows_saturates_at_127_and_rounds_to_nearest():
+    x = torch.tensor([[1.0, -1.0, 0.5, 0.25], [254.0, 1.0, -0.9, 127.0], [0.0, 0.0, 0.0, 0.0]])
+    q, scale = cpu.quantize_rows(x)
+    assert scale.tolist() == pytest.approx([1 / 127, 2.0, 1e-8 / 127])
+    assert q.tolist() == [[127, -127, 64, 32], [127, 0, 0, 64], [0, 0, 0, 0]]
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+
+
+def test_quantize_per_token_and_norm_quant_keep_the_token_shape():
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    q, scale = cpu.quantize_per_token_cpu(x)
+    q_ref, scale_ref = quantize_per_token(x)
+    assert q.shape == (2, 3, 64) and scale.shape == (2, 3)
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    q, s, r = cpu.norm_quant_cpu(x.float(), torch.ones(64), None, None, kind="rms", eps=1e-6)
+    assert q.shape == (2, 3, 64) and s.shape == (2, 3) and r.numel() == 0
+
+
+def test_every_capability_refusal_names_its_reason(monkeypatch):
+    x = torch.randn(4, 64)
+    w, s = _weights(8, 64)
+    ok = dict(out_dtype=torch.float32)
+    linear = cpu._int8_linear_reason
+    assert linear(CPU, x.bfloat16(), None, w, s, torch.randn(8), **ok) is None
+    assert linear(CPU, *quantize_per_token(x), w, s, **ok) is None
+    assert "cannot be quantised" in linear(CPU, x.int(), None, w, s, **ok)
+    assert "is not a 2-D int8 matrix" in linear(CPU, x, None, w.float(), s, **ok)
+    assert "is not a 2-D int8 matrix" in linear(CPU, x, None, w[0], s, **ok)
+    assert "weight scale shape (4,) is not [8]" in linear(CPU, x, None, w, s[:4], **ok)
+    assert "weight scale shape" in linear(CPU, x, None, w, s[None], **ok)
+    assert "bias shape (4,) is not [8]" in linear(CPU, x, None, w, s, torch.randn(4), **ok)
+    assert "bias shape" in linear(CPU, x, None, w, s, torch.randn(1, 8), **ok)
+    assert cpu._quantize_reason(CPU, x) is None and "cannot be quantised" in cpu._quantize_reason(CPU, x.long())
+    norm_w = torch.ones(64)
+    assert cpu._norm_quant_reason(CPU, x, norm_w, kind="rms", eps=1e-6) is None
+    assert "hidden size" in cpu._norm_quant_reason(CPU, x, norm_w[:8], kind="rms", eps=1e-6)
+    assert "cannot be quantised" in cpu._norm_quant_reason(CPU, x.int(), norm_w, kind="rms", eps=1e-6)
+    w_gu, s_gu = _weights(16, 64)
+    w_d, s_d = _weights(64, 8)
+    gated = dict(act="silu", out_dtype=torch.float32)
+    assert cpu._gated_reason(CPU, x, None, w_gu, s_gu, w_d, s_d, **gated) is None
+    assert "activation 'swish'" in cpu._gated_reason(CPU, x, None, w_gu, s_gu, w_d, s_d, act="swish",
+                                                        out_dtype=torch.float32)
+    assert "do not form a gated FFN" in cpu._gated_reason(CPU, x, None, w_gu[:-1], s_gu[:-1], w_d, s_d, **gated)
+    assert "do not form a gated FFN" in cpu._gated_reason(CPU, x, None, w_gu, s_gu, w_d[:, :4], s_d, **gated)
+    assert "weight scale shape" in cpu._gated_reason(CPU, x, None, w_gu, s_gu, w_d, s_d[:3], **gated)
+    assert "bias shape" in cpu._gated_reason(CPU, x, None, w_gu, s_gu, w_d, s_d, torch.randn(3), **gated)
+    assert "bias shape" in cpu._gated_reason(CPU, x, None, w_gu, s_gu, w_d, s_d, None, torch.randn(3), **gated)
+    assert "is not a 2-D int8 matrix" in cpu._gated_reason(CPU, x, None, w_gu, s_gu, w_d.float(), s_d, **gated)
+    assert "cuda" in cpu._gated_reason(LoweringContext("cuda", None), x, None, w_gu, s_gu, w_d, s_d, **gated)
+    monkeypatch.delattr(torch, "_int_mm")
+    assert "no torch._int_mm" in linear(CPU, x, None, w, s, **ok)

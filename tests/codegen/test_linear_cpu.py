@@ -9,7 +9,8 @@ import ttftc
 from tests.helpers import assert_logits_match, compile_and_run, needs_transformers
 from ttftc import zoo
 from ttftc.autotune.space import Problem, TensorSpec, space_for
-from ttftc.codegen.cpu._blas import default_gemm, gemm_options, linear_2d, onednn_reason
+from ttftc.codegen.cpu._blas import (cpu_linear_reason, default_gemm, default_wide_gemm_config, gemm_options, linear_2d,
+                                     onednn_reason, wide_gemm_constraint)
 from ttftc.codegen.cpu.linear import linear_cpu
 from ttftc.codegen.lowering import LoweringContext, load_providers, lowerings_for
 
@@ -108,3 +109,41 @@ def test_every_linear_of_a_zoo_model_lowers_to_the_cpu_gemm():
     actual, expected, report = compile_and_run(model, zoo.example_ids(model, 9), ttftc.Config(passes=("linear",)))
     assert report.providers["linear"] == {"cpu": 15}  # 7 linears per layer and the lm_head
     assert_logits_match(actual, expected)
+
+
+def test_gemm_options_and_the_search_space_rules():
+    assert default_gemm(torch.float16) == "blas"
+    assert gemm_options({"n_block": 256}, torch.float16) == {"gemm": "blas", "n_block": 256}
+    assert gemm_options({"gemm": "blas"}, torch.float32) == {"gemm": "blas", "n_block": 1024}
+    assert gemm_options({"num_threads": 1}, torch.float16) == {"gemm": "blas", "n_block": 1024}
+    problem = Problem("linear", "cpu", (TensorSpec((8, 16), torch.float16), TensorSpec((16, 16), torch.float16)), ())
+    assert default_wide_gemm_config(problem) == {"gemm": "blas", "n_block": 1024}
+    assert wide_gemm_constraint({"gemm": "blas", "n_block": 512}, problem) is None
+    assert "column blocks apply to the blas backend only" in wide_gemm_constraint({"gemm": "onednn", "n_block": 512},
+                                                                                   problem)
+    assert "not torch.float16" in wide_gemm_constraint({"gemm": "onednn", "n_block": 0}, problem)
+
+
+@needs_onednn
+def test_onednn_is_the_default_where_it_runs():
+    assert onednn_reason(torch.float32) is None
+    assert default_gemm(torch.float32) == "onednn"
+    assert gemm_options(None, torch.float32) == {"gemm": "onednn", "n_block": 0}
+    problem = Problem("linear", "cpu", (TensorSpec((8, 16), torch.float32), TensorSpec((16, 16), torch.float32)), ())
+    assert default_wide_gemm_config(problem) == {"gemm": "onednn", "n_block": 0}
+    assert wide_gemm_constraint({"gemm": "onednn", "n_block": 0}, problem) is None
+
+
+def test_capability_rule_of_every_cpu_gemm():
+    x, w, b = _operands(torch.float32)
+    assert cpu_linear_reason(CPU, x, w, w) is None
+    assert cpu_linear_reason(CPU, x.bfloat16(), w.bfloat16()) is None
+    assert cpu_linear_reason(CPU, x.half(), w.half()) is None
+    assert "tensors on npu" in cpu_linear_reason(LoweringContext("npu", None), x, w)
+    assert "dtype torch.int32 not supported" in cpu_linear_reason(CPU, x.int(), w.int())
+    assert "weight of rank 3 (want 2)" in cpu_linear_reason(CPU, x, w, w[None])
+    assert "weight dtype torch.float16 differs" in cpu_linear_reason(CPU, x, w, w.half())
+    (entry,) = [e for e in lowerings_for("linear") if e.provider == "cpu"]
+    assert entry.unsupported_reason(CPU, x, w) is None
+    assert "bias" in entry.unsupported_reason(CPU, x, w, b[None])
+    assert "bias" in entry.unsupported_reason(CPU, x, w, b.half())

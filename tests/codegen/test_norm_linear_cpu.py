@@ -69,3 +69,50 @@ def test_capability_reasons():
     assert "float64" in entry.unsupported_reason(CPU, x.double(), norm_w.double(), None, w.double(), kind="rms",
                                                  eps=1e-6)
     assert "npu" in entry.unsupported_reason(LoweringContext("npu", None), x, norm_w, None, w, kind="rms", eps=1e-6)
+
+
+def test_bf16_rms_norm_with_an_fp32_weight_applies_it_in_fp32_like_hugging_face():
+    x, _, norm_w, _, _, _ = _inputs(torch.bfloat16, "rms", residual=False)
+    y, _ = norm_cpu(x, norm_w.float(), None, None, kind="rms", eps=1e-6)
+    xf = x.float()
+    hf = norm_w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert y.dtype == torch.float32 and torch.equal(y, hf)  # the weight promotes the result, as in HF
+    assert torch.equal(x, _inputs(torch.bfloat16, "rms", residual=False)[0])  # the input was not written
+
+
+def test_fp32_rms_norm_uses_the_weight_and_eps():
+    x, _, norm_w, _, _, _ = _inputs(torch.float32, "rms", residual=False)
+    x = x * 1e-3  # small enough that eps matters
+    y, _ = norm_cpu(x, norm_w, None, None, kind="rms", eps=1e-5)
+    expected = norm_w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_layer_norm_uses_weight_bias_and_eps():
+    x, _, norm_w, norm_b, _, _ = _inputs(torch.float32, "layer", residual=False)
+    x = x * 1e-3
+    y, res = norm_cpu(x, norm_w, norm_b, None, kind="layer", eps=1e-5)
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    torch.testing.assert_close(y, (x - mean) / torch.sqrt(var + 1e-5) * norm_w + norm_b, atol=1e-4, rtol=1e-4)
+    assert res.numel() == 0
+
+
+def test_norm_capability_reasons():
+    (entry,) = [e for e in lowerings_for("norm") if e.provider == "cpu"]
+    x, res, norm_w, norm_b, _, _ = _inputs(torch.float32, "layer")
+    ok = dict(kind="layer", eps=1e-5)
+    assert entry.unsupported_reason(CPU, x, norm_w, norm_b, res, **ok) is None
+    assert entry.unsupported_reason(CPU, x.half(), norm_w.half(), norm_b.half(), res.half(), **ok) is None
+    assert "norm kind 'batch'" in entry.unsupported_reason(CPU, x, norm_w, kind="batch", eps=1e-5)
+    assert "tensors on cuda" in entry.unsupported_reason(LoweringContext("cuda", None), x, norm_w, **ok)
+    assert "int32 not supported" in entry.unsupported_reason(CPU, x.int(), norm_w, **ok)
+    assert "does not match hidden size" in entry.unsupported_reason(CPU, x, norm_w[None], **ok)
+    assert "layer norm weight dtype" in entry.unsupported_reason(CPU, x, norm_w.half(), **ok)
+    assert entry.unsupported_reason(CPU, x.bfloat16(), norm_w, kind="rms", eps=1e-5) is None  # rms: fp32 weight ok
+    assert "residual shape or dtype" in entry.unsupported_reason(CPU, x, norm_w, norm_b, res[:1], **ok)
+    assert "residual shape or dtype" in entry.unsupported_reason(CPU, x, norm_w, norm_b, res.half(), **ok)
+    (fused,) = [e for e in lowerings_for("norm_linear") if e.provider == "cpu"]
+    _, _, _, _, w, _ = _inputs(torch.bfloat16, "rms")
+    assert "GEMM would mix dtypes" in fused.unsupported_reason(CPU, x.bfloat16(), norm_w, None, w, kind="rms",
+                                                               eps=1e-6)
+    assert "weight dtype" in fused.unsupported_reason(CPU, x, norm_w, None, w, kind="rms", eps=1e-6)

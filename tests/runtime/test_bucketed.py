@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ttftc
+from tests.graph_checks import lowered_ops
 from tests.helpers import assert_logits_match, needs_transformers, zoo_cases
 from ttftc import zoo
 from ttftc.runtime.bucketed import BucketedModel, PromptTooLongError, compile_bucketed
@@ -92,6 +93,20 @@ def test_caller_position_ids_are_used_for_every_row(family):
             expected = model(p, position_ids=(offset + 2 * torch.arange(n))[None]).logits
         assert_logits_match(out.logits[b:b + 1, real], expected)
         assert not torch.allclose(default.logits[b:b + 1, real], expected, atol=1e-3)  # the offsets matter
+
+
+def test_bucket_graphs_are_fused_and_lowered():
+    model = zoo.build("llama", "sdpa")
+    bucketed = compile_bucketed(model, ttftc.Config(buckets=(16,)), cache=None)
+    ids = zoo.example_ids(model, 9)
+    assert_logits_match(bucketed(ids, logits_to_keep=1).logits[:, 0], _eager(model, ids)[0][:, -1])
+    (program,) = bucketed.source.programs.values()
+    # Per layer: norm+q|k|v, attention, o_proj, norm, gate|up|down. Then the final norm and the lm_head, apart:
+    # the lm_head reads only each sequence's last row (logits_to_keep=1), picked between the two.
+    assert lowered_ops(program.gm) == {("norm_linear", "cpu"): 2, ("attention", "cpu"): 2, ("linear", "cpu"): 2 + 1,
+                                       ("norm", "cpu"): 2 + 1, ("gated_ffn", "cpu"): 2}
+    (report,) = bucketed.source.reports
+    assert report.providers["attention"] == {"cpu": 2} and report.providers["gated_ffn"] == {"cpu": 2}
 
 
 def test_zero_recompiles_across_random_lengths():
