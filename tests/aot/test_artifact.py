@@ -75,6 +75,7 @@ def test_round_trip_in_a_fresh_process_compiles_nothing(artifact, tmp_path):
         last = model(data["short"], logits_to_keep=1)
         full = model(data["long"])
         assert last.bucket == 16 and full.bucket == 32
+        assert "transformers" not in sys.modules, "the serving path imported transformers"
         err_last = (last.logits[:, 0] - data["short_ref"][:, -1]).abs().max().item()
         err_full = (full.logits - data["long_ref"]).abs().max().item()
         frames = 0

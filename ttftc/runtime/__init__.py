@@ -5,14 +5,22 @@
     first = engine.first_token(ids, tenant="acme")     # .token .logits .kv .cached_tokens
 """
 
-from ttftc.runtime.chunked import ChunkTable, FirstToken, PrefillJob
-from ttftc.runtime.engine import PrefillEngine
-from ttftc.runtime.engine_loop import EndEvent, EngineClosedError, EngineLoop, TokenEvent
-from ttftc.runtime.kv import KVHandle, ModelGeometry
-from ttftc.runtime.prefix_cache import CacheLease, LeaseReleasedError, PrefixCache, PrefixCacheStats
-from ttftc.runtime.sampling import GREEDY, Sampling
-from ttftc.runtime.scheduler import Request, RequestRecord, StepScheduler, StepStats
-from ttftc.runtime.sessions import ChatSession, Turn
+from ttftc._lazy import lazy_exports
+
+# Resolved on first use: loading an artifact imports runtime.bucketed only, not transformers (kv.py needs it).
+_LAZY = {
+    "ChunkTable": "ttftc.runtime.chunked", "FirstToken": "ttftc.runtime.chunked", "PrefillJob": "ttftc.runtime.chunked",
+    "PrefillEngine": "ttftc.runtime.engine",
+    "EndEvent": "ttftc.runtime.engine_loop", "EngineClosedError": "ttftc.runtime.engine_loop",
+    "EngineLoop": "ttftc.runtime.engine_loop", "TokenEvent": "ttftc.runtime.engine_loop",
+    "KVHandle": "ttftc.runtime.kv", "ModelGeometry": "ttftc.runtime.kv",
+    "CacheLease": "ttftc.runtime.prefix_cache", "LeaseReleasedError": "ttftc.runtime.prefix_cache",
+    "PrefixCache": "ttftc.runtime.prefix_cache", "PrefixCacheStats": "ttftc.runtime.prefix_cache",
+    "GREEDY": "ttftc.runtime.sampling", "Sampling": "ttftc.runtime.sampling",
+    "Request": "ttftc.runtime.scheduler", "RequestRecord": "ttftc.runtime.scheduler",
+    "StepScheduler": "ttftc.runtime.scheduler", "StepStats": "ttftc.runtime.scheduler",
+    "ChatSession": "ttftc.runtime.sessions", "Turn": "ttftc.runtime.sessions",
+}
 
 __all__ = [
     "GREEDY", "CacheLease", "ChatSession", "ChunkTable", "EndEvent", "EngineClosedError", "EngineLoop", "FirstToken",
@@ -20,3 +28,6 @@ __all__ = [
     "PrefillEngine", "PrefillJob", "PrefixCache", "PrefixCacheStats", "Request", "RequestRecord", "Sampling",
     "StepScheduler", "StepStats", "TokenEvent", "Turn",
 ]
+assert sorted(__all__) == sorted(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
