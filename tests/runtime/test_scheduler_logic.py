@@ -534,3 +534,19 @@ def test_record_properties_before_anything_happened():
     assert record.max_token_gap == 0.0 and not record.done
     record.token_times = [3.0, 3.5, 5.0, 5.25]
     assert record.max_token_gap == 1.5
+
+
+def test_a_step_whose_decodes_take_the_whole_budget_plans_no_prefill():
+    # Two running requests decode one token each and use the budget of 2 up: a waiting prompt gets no zero-token
+    # chunk (FakeJob.advance refuses n < 1), it waits for a step with room and then completes normally.
+    engine = FakeEngine()
+    s = scheduler(engine, budget=2, chunk_size=4, batch_window_s=0.0)
+    s.submit(Request(prompt(1, 1), max_new_tokens=4))
+    s.submit(Request(prompt(2, 1), max_new_tokens=4))
+    s.step()  # both prefill (one token each) and start decoding
+    s.submit(Request(prompt(3, 3), max_new_tokens=1))
+    s.step()  # two decodes fill the budget
+    assert all(c[1] != 3 for c in engine.calls if c[0] == "advance")
+    records = s.run_until_idle()
+    assert [records[i].finish_reason for i in sorted(records)] == [LENGTH, LENGTH, LENGTH]
+    assert ("advance", 3, 0) not in engine.calls
