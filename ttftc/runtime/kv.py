@@ -6,6 +6,12 @@ bigger tensor alive).
 
 The live KV of a request is a transformers `DynamicCache` (shape [1, kv_heads, seq, head_dim] per layer), so the
 handle can be passed straight to `model.generate(..., past_key_values=...)`.
+
+Several requests decode in ONE forward through `RaggedDecodeCache`, which appends each row's new key/value to that
+request's own cache and hands attention the rows' KV of different lengths as they are (nothing is padded or
+copied), and `ragged_decode_attention`, the attention function (registered with transformers under
+RAGGED_ATTENTION) that attends each row's one query to its own KV. The GEMMs of the forward see all rows at once,
+which is the point: a decode step reads every weight once, however many requests it serves.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
 import torch
-from transformers import DynamicCache
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ttftc.runtime.prefix_cache import CacheLease, LeaseReleasedError
@@ -219,6 +226,71 @@ def full_kv_layers(cache, seq_len: int) -> Optional[list[tuple[torch.Tensor, tor
 def block_payload(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, stop: int) -> torch.Tensor:
     """A fresh [num_layers, 2, kv_heads, stop-start, head_dim] copy (never a view of the live cache)."""
     return torch.stack([torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in layers])
+
+
+RAGGED_ATTENTION = "ttftc_ragged_decode"
+
+
+class RaggedDecodeCache:
+    """The caches of B requests decoding together, as the one cache object a transformers forward takes.
+
+    `update` (called by every attention layer with the batch's new keys/values, [B, kv_heads, 1, head_dim]) appends
+    row i to request i's own cache and returns the rows' full KV as lists, which only `ragged_decode_attention`
+    reads. `snapshot()`/`restore()` undo a forward that failed halfway (some layers appended, some not): every cache
+    layer only ever reassigns its attributes (a GrowableLayer writes past the end of the view it had), so the
+    attributes as they were are the KV as it was.
+    """
+
+    def __init__(self, caches: Sequence):
+        self.caches = list(caches)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if key_states.shape[0] != len(self.caches) or key_states.shape[-2] != 1:
+            raise ValueError(f"a ragged decode appends one token to each of {len(self.caches)} rows, got keys of "
+                             f"shape {tuple(key_states.shape)}")
+        keys, values = [], []
+        for row, cache in enumerate(self.caches):
+            k, v = cache.update(key_states[row:row + 1], value_states[row:row + 1], layer_idx)
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def snapshot(self) -> list:
+        return [(len(cache.layers), [dict(vars(layer)) for layer in cache.layers]) for cache in self.caches]
+
+    def restore(self, snapshot: list) -> None:
+        for cache, (num_layers, states) in zip(self.caches, snapshot):
+            del cache.layers[num_layers:]
+            for layer, state in zip(cache.layers, states):
+                vars(layer).clear()
+                vars(layer).update(state)
+
+
+def ragged_decode_attention(module, query: torch.Tensor, key, value, attention_mask, scaling=None, dropout=0.0,
+                            **kwargs):
+    """Attention of a one-token decode for rows whose KV differ in length: `key`/`value` are lists of per-row
+    [1, kv_heads, n_i, head_dim] tensors from RaggedDecodeCache (the whole KV a row may see: a sliding-window layer
+    already keeps only its window). Returns [B, 1, heads, head_dim], as transformers' attention functions do.
+
+    Features it does not implement raise, so the engine falls back to one forward per request instead of
+    computing something else: logit soft-capping, attention sinks, dropout, more than one query per row.
+    """
+    if not isinstance(key, (list, tuple)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{RAGGED_ATTENTION} takes the per-row KV lists of a RaggedDecodeCache")
+    unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
+    if dropout or unsupported or query.shape[2] != 1 or len(key) != query.shape[0]:
+        raise NotImplementedError(
+            f"ragged decode attention covers one query per row without dropout, soft-capping or sinks "
+            f"(got {query.shape[2]} queries, dropout {dropout}, {unsupported or 'no extras'})")
+    rows = []
+    for row, (k, v) in enumerate(zip(key, value)):
+        q = query[row:row + 1]
+        rows.append(F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scaling,
+                                                   enable_gqa=q.shape[1] != k.shape[1]))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(RAGGED_ATTENTION, ragged_decode_attention)
 
 
 class KVHandle:
