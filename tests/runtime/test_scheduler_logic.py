@@ -104,6 +104,7 @@ class FakeEngine:
         self.fail_together = False
         self.fail_decode: set[int] = set()
         self.fail_publish: set[int] = set()
+        self.fail_batch = False
         self.started_with: list[tuple] = []  # (first token id, sampling) of every job started
         self.decoded: list[tuple] = []  # (token fed, generator passed) of every decode step
 
@@ -122,6 +123,18 @@ class FakeEngine:
         if self.fail_together:
             raise RuntimeError("injected batch failure")
         return [job._take(n) for job, n in work]
+
+    def decode_batch(self, rows):
+        self.calls.append(("batch", tuple(token for _, token, _, _ in rows)))
+        if self.fail_batch:
+            raise RuntimeError("injected engine bug")
+        results = []
+        for kv, token, sampling, generator in rows:
+            try:
+                results.append(self.decode_step(kv, token, sampling, generator)[0])
+            except Exception as exc:  # the real engine isolates a row's failure the same way
+                results.append(exc)
+        return results
 
     def decode_step(self, kv, token, sampling, generator):
         self.calls.append(("decode", token))
@@ -550,3 +563,136 @@ def test_a_step_whose_decodes_take_the_whole_budget_plans_no_prefill():
     records = s.run_until_idle()
     assert [records[i].finish_reason for i in sorted(records)] == [LENGTH, LENGTH, LENGTH]
     assert ("advance", 3, 0) not in engine.calls
+
+
+# ---- batched decode ------------------------------------------------------------------------------------------
+
+
+def batches(engine) -> list[tuple]:
+    return [c[1] for c in engine.calls if c[0] == "batch"]
+
+
+def test_all_running_requests_decode_in_one_batch_per_step_and_rotate_when_the_budget_is_short():
+    engine = FakeEngine()
+    s = scheduler(engine, budget=3)
+    for first in (10, 20, 30):
+        s.submit(Request([first], max_new_tokens=10))
+    s.step()
+    assert batches(engine) == []  # prefills only
+    assert s.step().decode_tokens == 3 and batches(engine) == [(11, 21, 31)]
+    s.token_budget = 2
+    s.step()
+    s.step()
+    # The two that decoded go behind the one that did not; each step is one call.
+    assert batches(engine)[1:] == [(12, 22), (32, 13)]
+
+
+def test_min_chunk_is_validated():
+    with pytest.raises(ValueError, match="min_chunk must be >= 1, got 0"):
+        scheduler(min_chunk=0)
+
+
+def test_a_chunked_prompt_takes_the_budget_left_and_a_short_one_waits_to_run_whole():
+    engine = FakeEngine()
+    s = scheduler(engine, budget=100, chunk_size=100, min_chunk=16)
+    s.submit(Request(prompt(1, 400)))
+    s.submit(Request(prompt(2, 60)))
+    s.submit(Request(prompt(3, 50)))
+    s.step()
+    # Shortest first: 50, then the 60 does not fit the 50 left whole and waits; the long prompt takes the 50.
+    assert prefills(engine) == [(3, 50), (1, 50)]
+    s.step()
+    assert prefills(engine)[2:] == [(2, 60), (1, 40)]  # 40 left: the long prompt takes them (>= min_chunk 16)
+    s.submit(Request(prompt(4, 90)))
+    s.step()
+    assert prefills(engine)[4:] == [(4, 90)]  # 10 left < min_chunk: no sliver for the long prompt
+    stats = s.step()
+    assert (stats.decode_tokens, stats.prefill_tokens) == (0, 100) and prefills(engine)[5:] == [(1, 100)]
+
+
+def test_the_leftover_rule_applies_to_chunked_scheduling_only():
+    engine = FakeEngine()
+    s = scheduler(engine, budget=100, min_chunk=1)  # no chunking: prompts run whole or not at all
+    s.submit(Request(prompt(1, 400)))
+    s.submit(Request(prompt(2, 60)))
+    s.step()
+    assert prefills(engine) == [(2, 60)]
+
+
+def test_a_step_never_exceeds_its_budget_under_a_stream_of_arrivals_beside_a_long_prompt():
+    engine = FakeEngine()
+    budget = 64
+    s = scheduler(engine, budget=budget, chunk_size=48, min_chunk=8, max_skipped_steps=3)
+    s.submit(Request(prompt(1, 1000), max_new_tokens=4, request_id="long"))
+    steps = []
+    for step in range(120):
+        if step % 2 == 0:
+            s.submit(Request(prompt(100 + step, 5 + step % 23), max_new_tokens=6))
+        steps.append(s.step())
+    s.run_until_idle()
+    assert all(st.decode_tokens + st.prefill_tokens <= budget for st in steps)
+    assert max(st.decode_tokens + st.prefill_tokens for st in steps) == budget  # the budget is used, not wasted
+    assert s.records["long"].finish_reason == LENGTH
+    # The long prompt never waits more than max_skipped_steps steps in a row for a chunk.
+    long_steps = [i for i, c in enumerate(steps) if c.prefill_tokens and any(
+        rid == "long" for rid, _ in c.emitted)]
+    assert long_steps, "the long prompt produced its first token while the short ones kept arriving"
+
+
+def test_a_callback_that_cancels_requests_of_the_batch_being_decoded():
+    engine = FakeEngine()
+    s = scheduler(engine)
+    for rid, first in (("a", 10), ("b", 20), ("c", 30), ("d", 40)):
+        s.submit(Request([first], max_new_tokens=5, request_id=rid))
+    s.step()
+    kvs = {run.request.request_id: run.first.kv for run in s._running}
+    seen = []
+
+    def on_token(rid, token):
+        seen.append((rid, token))
+        if rid == "a":
+            s.cancel("c")  # a later row of the same batch: its token must not be emitted
+        if rid == "b":
+            s.cancel("b")  # itself, from its own callback
+
+    s.on_token = on_token
+    stats = s.step()
+    assert batches(engine) == [(11, 21, 31, 41)]
+    assert seen == [("a", 12), ("b", 22), ("d", 42)]
+    assert stats.emitted == (("a", 12), ("b", 22), ("d", 42)) and stats.decode_tokens == 3
+    assert s.records["c"].tokens == [31] and s.records["c"].cancelled and kvs["c"].released
+    assert s.records["b"].tokens == [21, 22] and s.records["b"].cancelled and kvs["b"].released
+    s.on_token = None
+    s.run_until_idle()
+    assert s.records["a"].tokens == [11, 12, 13, 14, 15] and s.records["d"].finish_reason == LENGTH
+    assert batches(engine)[1] == (12, 42) and s.kv_tokens == 0  # FakeKV refuses a second release
+
+
+def test_a_cancel_between_steps_shrinks_the_batch():
+    engine = FakeEngine()
+    s = scheduler(engine)
+    for rid, first in (("a", 10), ("b", 20), ("c", 30)):
+        s.submit(Request([first], max_new_tokens=4, request_id=rid))
+    s.step()
+    s.step()
+    s.cancel("b")
+    s.step()
+    assert batches(engine) == [(11, 21, 31), (12, 32)]
+    s.run_until_idle()
+    assert s.records["a"].tokens == [11, 12, 13, 14] and s.records["c"].tokens == [31, 32, 33, 34]
+    assert s.records["b"].tokens == [21, 22] and s.records["b"].cancelled
+
+
+def test_a_failing_batch_call_ends_its_rows_and_the_prefills_of_the_step_go_on():
+    engine = FakeEngine()
+    s = scheduler(engine)
+    s.submit(Request([10], max_new_tokens=3, request_id="a"))
+    s.submit(Request([20], max_new_tokens=3, request_id="b"))
+    s.step()
+    engine.fail_batch = True
+    s.submit(Request(prompt(3, 4), max_new_tokens=1, request_id="new"))
+    stats = s.step()
+    assert stats.finished == ("a", "b", "new") and stats.decode_tokens == 0
+    assert s.records["a"].error == "RuntimeError: injected engine bug" and s.records["a"].finish_reason == ERROR
+    assert s.records["new"].finish_reason == LENGTH and s.records["new"].tokens == [8]
+    assert s.idle and s.kv_tokens == 0

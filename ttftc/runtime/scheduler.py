@@ -2,17 +2,28 @@
 batches the prefills of requests that arrive close together.
 
 Each `step()` (the Sarathi-Serve recipe, plus a batching window):
-  1. every running request decodes one token (FCFS, one budget token each): decodes are never starved by a prefill;
+  1. every running request decodes one token (FCFS, one budget token each), all of them in ONE batched forward
+     (`engine.decode_batch`: a step reads the weights once, however many requests decode): decodes are never
+     starved by a prefill;
   2. the rest of the budget goes to prefills, shortest remaining prompt first (what minimises mean TTFT), with
      arrival order breaking ties; a prefill that got nothing for `max_skipped_steps` steps in a row goes first,
      so a long prompt is never starved. With chunking, a request gets at most `chunk_size` tokens per step, so a
      long prompt takes many steps and a short prompt that arrives meanwhile waits for one step, not the whole
      prompt; without chunking a prompt is prefilled whole (the first prefill of a step always runs, however long).
-     Past the first prefill of a step, one runs only if its whole chunk (or rest) fits the budget left: a sliver
-     of a few tokens would cost a forward of its own, and a prefix of 1 token makes a compiled model recompile;
+     Past the first prefill of a step, a prompt that fits in one chunk runs only if it fits the budget left whole
+     (split, it would wait a step more for its first token), while a prompt that is chunked anyway takes what is
+     left, Sarathi style, if that is at least `min_chunk` tokens: a sliver of a few tokens would cost a forward of
+     its own, and a prefix of 1 token makes a compiled model recompile;
   3. the prefills chosen for the step that the engine can run on its bucketed path (cold prompts, or a cold
      prompt's first chunk, that fit a bucket) run together, in shared padded forwards; the others (prefix-cache
-     hits, later chunks) run one after another on the KV path. Decodes are batch-1 forwards.
+     hits, later chunks) run one after another on the KV path.
+
+The budget is what bounds a step's time, and so the TTFT of a short request that arrives while a long prompt is
+being prefilled: it waits for the step under way, then runs in the next one beside the long prompt's chunk. A
+smaller budget makes steps shorter (short requests wait less, streams stall less) and a long prompt's own TTFT
+longer (more, smaller chunks, each with a forward's overhead and a re-read of the KV so far); ttftc.LLM sizes it
+for a step time (README, Serving). Attention makes a chunk late in a long prompt dearer than one early on, so the
+bound is on tokens, and a step's time grows with the KV its chunk attends to.
 
 The batching window. A request that has not started its prefill waits until `batch_window_s` has passed since the
 earliest such request arrived, or until the waiting prompts hold `token_budget` tokens, whichever comes first;
@@ -131,7 +142,7 @@ class _Running:
 class StepScheduler:
     def __init__(self, engine: PrefillEngine, token_budget: int, *, chunk_size: Optional[int] = None,
                  clock: Callable[[], float] = time.perf_counter, max_skipped_steps: int = 4,
-                 batch_window_s: float = 0.0, max_running: Optional[int] = None):
+                 batch_window_s: float = 0.0, max_running: Optional[int] = None, min_chunk: int = 32):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if chunk_size is not None and chunk_size < 1:
@@ -140,6 +151,8 @@ class StepScheduler:
             raise ValueError(f"batch_window_s must be a finite number >= 0, got {batch_window_s}")
         if max_running is not None and max_running < 1:
             raise ValueError(f"max_running must be >= 1 or None, got {max_running}")
+        if min_chunk < 1:
+            raise ValueError(f"min_chunk must be >= 1, got {min_chunk}")
         self.engine = engine
         self.token_budget = token_budget
         self.chunk_size = chunk_size
@@ -147,6 +160,7 @@ class StepScheduler:
         self.max_skipped_steps = max_skipped_steps
         self.batch_window_s = batch_window_s
         self.max_running = max_running
+        self.min_chunk = min_chunk
         self.records: dict[Hashable, RequestRecord] = {}
         # Called during step(), on the scheduler's thread (see the module docstring).
         self.on_token: Optional[Callable[[Hashable, int], None]] = None
@@ -248,24 +262,35 @@ class StepScheduler:
         return StepStats(decode_tokens, sum(n for _, n in plan), tuple(finished), tuple(emitted), batched_rows)
 
     def _decode(self, budget: int, finished: list, emitted: list) -> int:
+        """One token for each of the first `budget` running requests, in one batched forward; those that decoded go
+        behind those that did not (FCFS rotation when the budget is short)."""
+        batch = list(itertools.islice(self._running, max(0, min(len(self._running), budget))))
+        if not batch:
+            return 0
+        rows = [(run.first.kv, run.record.tokens[-1], run.request.sampling, run.generator) for run in batch]
+        try:
+            results = self.engine.decode_batch(rows)
+        except Exception as exc:  # the engine isolates rows; this is a bug in it: fail the batch, not the step
+            results = [exc] * len(batch)
         count = 0
-        for _ in range(min(len(self._running), budget)):
-            run = self._running.popleft()
-            try:
-                token, _ = self.engine.decode_step(run.first.kv, run.record.tokens[-1], run.request.sampling,
-                                                   run.generator)
-            except Exception as exc:  # one broken request must not take the others down
-                self._finish(run.first, run.record, ERROR, error=exc)
+        for run, result in zip(batch, results):
+            if not any(run is live for live in self._running):
+                continue  # cancelled by a callback of an earlier row of this batch: its KV is gone already
+            self._running.remove(run)
+            if isinstance(result, BaseException):
+                self._finish(run.first, run.record, ERROR, error=result)
                 self._report_finish(run.request, finished)
                 continue
             count += 1
-            self._emit(run.request, run.record, token, emitted)
+            self._running.append(run)  # before the callback: a cancel from inside it finds the request
+            self._emit(run.request, run.record, result, emitted)
+            if not any(run is live for live in self._running):
+                continue  # its own callback cancelled it
             reason = self._finish_reason(run.request, run.record)
             if reason is not None:
+                self._running.remove(run)
                 self._finish(run.first, run.record, reason)
                 self._report_finish(run.request, finished)
-            else:
-                self._running.append(run)
         return count
 
     def _admissible(self) -> list[_Prefill]:
@@ -291,9 +316,14 @@ class StepScheduler:
                 break
             job = item.job
             want = job.remaining if self.chunk_size is None else min(self.chunk_size, job.remaining)
-            if plan and want > budget:
+            if not plan:
+                n = want if self.chunk_size is None else min(want, budget)  # the first prefill always runs
+            elif want <= budget:
+                n = want
+            elif self.chunk_size is not None and job.remaining > self.chunk_size and budget >= self.min_chunk:
+                n = budget  # a chunked prompt takes what is left (Sarathi); a short one waits to run whole
+            else:
                 continue  # a sliver of the budget would cost a whole forward for a few tokens; the next step has room
-            n = want if self.chunk_size is None else min(want, budget)
             plan.append((item, n))
             budget -= n
         return plan
