@@ -38,6 +38,11 @@ from ttftc.text import Delta as Delta  # re-exported: what stream() yields
 # Bucket table for serving: short chat turns to long documents, each bucket at most 2x its shortest prompt.
 SERVING_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+# Tokens per scheduler step (and per chunk of a long prompt). Sized for latency, not throughput: on the 2-core
+# AMD EPYC this project measures on, a llama-135m step of 256 tokens takes about 0.2-0.45 s (more the later the
+# chunk sits in a long prompt), so a short request that arrives during a long prompt's prefill waits one such step,
+# where 512-token chunks made it wait 0.5-0.7 s (README, Serving, has the measurements and the trade-off).
+DEFAULT_STEP_TOKENS = 256
 _FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "cancelled", "error": "error"}
 
 Prompt = Union[str, Sequence[int]]
@@ -215,14 +220,19 @@ class LLM:
     precision:       the ttftc Config precision of the compiled prefill graphs ("auto", "fp32", "bf16", "int8").
     buckets:         prompt-length buckets to compile; None serves everything on the KV path (eager, no compile).
     prompt_cache:    True (a PrefixCache of `prefix_cache_bytes`), a PrefixCache of your own, or False.
-    chunked_prefill: chunk size for long prompts, or None to prefill each prompt whole.
+    chunked_prefill: the most tokens of one prompt a step prefills (long prompts run in chunks, beside other
+                     requests), or None to prefill each prompt whole.
     artifact:        an artifact directory to serve prefill from (instead of compiling); the model it records
                      (or `model_or_path`) provides the decode.
-    max_batch_tokens: the scheduler's token budget per step; also closes the batching window early.
+    max_batch_tokens: the scheduler's token budget per step (decodes, one token each, plus prefill tokens); also
+                     closes the batching window early. It is what bounds a step's time, and so how long a short
+                     request that arrives during a long prompt's prefill waits: see README, Serving.
     batch_window_ms: how long a new request may wait for others to share its prefill (see runtime/scheduler.py).
     max_running:     sequences in flight at once; more wait for a slot.
     prefill_batch_sizes, prefill_batch_tokens: the batch sizes of shared bucketed prefills, and the most padded
                      tokens one may hold (on a CPU a batch of long prompts runs slower per prompt than one alone).
+    batched_decode:  decode all running requests in one forward per step (runtime/engine.py); False decodes each
+                     alone.
     compile_kv_path: compile the KV path (decode, cached-prefix and chunk continuation) with ttftc and dynamic
                      shapes; False keeps it eager (no compile time: tests, debugging).
     warmup:          compile and run every graph once before serving, so no request pays for a compile.
@@ -230,11 +240,12 @@ class LLM:
 
     def __init__(self, model_or_path: Union[str, Path, torch.nn.Module], *, precision: str = "auto",
                  buckets: Optional[Sequence[int]] = SERVING_BUCKETS, prompt_cache=True,
-                 chunked_prefill: Optional[int] = 512, artifact: Optional[Union[str, Path]] = None,
-                 max_batch_tokens: int = 1024, batch_window_ms: float = 2.0, max_running: int = 64,
+                 chunked_prefill: Optional[int] = DEFAULT_STEP_TOKENS, artifact: Optional[Union[str, Path]] = None,
+                 max_batch_tokens: int = DEFAULT_STEP_TOKENS, batch_window_ms: float = 2.0, max_running: int = 64,
                  prefill_batch_sizes: Sequence[int] = (1, 2, 4, 8), prefill_batch_tokens: int = 512,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, tokenizer: Any = None,
-                 name: Optional[str] = None, compile_kv_path: bool = True, warmup: bool = True):
+                 name: Optional[str] = None, compile_kv_path: bool = True, warmup: bool = True,
+                 batched_decode: bool = True):
         from ttftc.runtime.engine import PrefillEngine
         from ttftc.runtime.engine_loop import EngineLoop
         from ttftc.runtime.scheduler import StepScheduler
@@ -261,7 +272,7 @@ class LLM:
         kv_model = self._kv_model(precision) if compile_kv_path else self.model
         self.engine = PrefillEngine(kv_model, prefix_cache=cache, chunk_size=chunked_prefill,
                                     prefill_model=prefill_model, prefill_batch_sizes=batch_sizes,
-                                    prefill_batch_tokens=prefill_batch_tokens)
+                                    prefill_batch_tokens=prefill_batch_tokens, batched_decode=batched_decode)
         self.scheduler = StepScheduler(self.engine, max_batch_tokens, chunk_size=chunked_prefill,
                                        batch_window_s=batch_window_ms / 1000.0, max_running=max_running)
         self.eos_token_id = self.codec.eos_token_id
@@ -319,6 +330,8 @@ class LLM:
 
     def _warm_up(self) -> None:
         """Compile (or load) every graph serving can use and run each once, so no request pays for it."""
+        from ttftc.runtime.sampling import GREEDY
+
         engine = self.engine
         vocab = engine.geometry.vocab_size
         prefill = engine.prefill_model
@@ -345,6 +358,15 @@ class LLM:
                     token, _ = engine.decode_step(first.kv, token)
             finally:
                 first.kv.release()
+        # Batched decode: oneDNN builds its GEMMs per row count on first use.
+        if engine.batched_decode:
+            firsts = [engine.first_token([(t * 7 + row) % vocab for t in range(5 + row)]) for row in range(8)]
+            try:
+                for rows in (2, 3, 4, 8):
+                    engine.decode_batch([(f.kv, f.token, GREEDY, None) for f in firsts[:rows]])
+            finally:
+                for first in firsts:
+                    first.kv.release()
 
     # ---- requests ----------------------------------------------------------------------------------------------------
 

@@ -64,3 +64,28 @@ def test_bad_input_is_refused(url, capsys):
     assert main(["loadtest", url, "--rate", "1", "--duration", "1", "--model", "other"]) == 2
     err = capsys.readouterr().err
     assert "--shared-prefix" in err and "does not serve 'other'" in err
+
+
+def test_long_every_sends_a_long_prompt_every_s_seconds(url):
+    import asyncio
+
+    from ttftc.serve.loadtest import run_load
+
+    doc = asyncio.run(run_load(LoadSpec(url=url, rate=20, duration_s=2.0, prompt_len=12, max_tokens=2,
+                                        long_prompt_len=200, long_every_s=0.6, seed=3)))
+    longs = doc["long"]
+    first = min(r["scheduled_s"] for r in doc["requests"] if r["kind"] == "short")
+    starts = [long["scheduled_s"] for long in longs]
+    # The first right behind the first short request, then every 0.6 s while arrivals last (2 s).
+    assert starts[0] == pytest.approx(first + 1e-3)
+    assert [b - a for a, b in zip(starts, starts[1:])] == pytest.approx([0.6] * (len(starts) - 1))
+    assert len(starts) == 1 + int((2.0 - starts[0]) / 0.6) and len(starts) >= 3
+    assert all(long["error"] is None and long["ttft_ms"] > 0 for long in longs)
+    assert doc["settings"]["long_every_s"] == 0.6 and doc["summary"]["errors"] == 0
+
+
+def test_long_every_is_checked(url, capsys):
+    assert main(["loadtest", url, "--rate", "1", "--duration", "1", "--long-every", "5"]) == 2
+    assert "--long-every needs --long-prompt-len" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["loadtest", url, "--rate", "1", "--duration", "1", "--long-prompt-len", "9", "--long-every", "-1"])

@@ -201,3 +201,41 @@ def test_health_and_models(served, client):
     assert get(server.url + "/health") == (200, '{"status":"ok"}')
     (card,) = client.models.list().data
     assert card.id == "tiny" and card.model_extra["max_model_len"] == 4096 and card.model_extra["vocab_size"] == 512
+
+
+def test_a_disconnect_during_batched_decodes_frees_its_slot_and_the_other_streams_keep_their_tokens(served, client):
+    llm, _ = served
+    ids = [prompt(20 + 5 * i, seed=20 + i) for i in range(3)]
+    expected = [c.token_ids for c in llm.generate(ids, max_new_tokens=40, ignore_eos=True)]
+    calls = []
+    real = llm.engine.decode_batch
+    llm.engine.decode_batch = lambda rows: calls.append(len(rows)) or real(rows)
+    try:
+        async def run():
+            aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="test", max_retries=0, timeout=TIMEOUT_S)
+
+            async def full(i):
+                stream = await aclient.completions.create(model="tiny", prompt=ids[i], max_tokens=40, temperature=0,
+                                                          stream=True, extra_body={"ignore_eos": True})
+                return [t async for c in stream for ch in c.choices for t in ch.model_extra.get("token_ids", [])]
+
+            async def leaver():
+                stream = await aclient.completions.create(model="tiny", prompt=prompt(33, seed=9), max_tokens=4000,
+                                                          temperature=0, stream=True, extra_body={"ignore_eos": True})
+                received = 0
+                async for _ in stream:
+                    received += 1
+                    if received == 5:
+                        break
+                await stream.close()  # goes away while it decodes in a batch with the others
+
+            results = await asyncio.gather(full(0), leaver(), full(1), full(2))
+            await aclient.close()
+            return results
+
+        got = asyncio.run(run())
+    finally:
+        llm.engine.decode_batch = real
+    assert [got[0], got[2], got[3]] == expected
+    assert max(calls) >= 3, "the streams decoded together"
+    wait_until(lambda: llm.stats()["running"] == 0 and llm.stats()["kv_tokens"] == 0, what="every slot to be freed")

@@ -59,6 +59,10 @@ def add_parser(subparsers) -> None:
                    help="requests in flight at most (closed loop: the number of clients; default 64)")
     p.add_argument("--long-prompt-len", type=_non_negative, default=0,
                    help="also send one prompt of this many tokens right after the first (default 0: none)")
+    p.add_argument("--long-every", type=lambda text: seconds(text, allow_zero=True), default=0.0, metavar="S",
+                   help="with --long-prompt-len: another long prompt every S seconds after the first, while arrivals "
+                   "last (default 0: one per run), so the short requests' p95 rests on more than two or three of "
+                   "them meeting one")
     p.add_argument("--slo-ttft-ms", type=seconds, default=700.0, help="the TTFT SLO of goodput (default 700)")
     p.add_argument("--model", help="model name (default: the first the server lists)")
     p.add_argument("--header", type=_header, action="append", default=[], metavar="NAME:VALUE",
@@ -92,7 +96,8 @@ def run(args) -> int:
     try:
         spec = LoadSpec(url=args.url, rate=args.rate, duration_s=args.duration, prompt_len=args.prompt_len,
                         shared_prefix=args.shared_prefix, max_tokens=args.max_tokens, concurrency=args.concurrency,
-                        slo_ttft_ms=args.slo_ttft_ms, long_prompt_len=args.long_prompt_len, model=args.model,
+                        slo_ttft_ms=args.slo_ttft_ms, long_prompt_len=args.long_prompt_len,
+                        long_every_s=args.long_every, model=args.model,
                         headers=tuple(args.header), seed=args.seed, request_timeout_s=args.request_timeout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -10,6 +10,7 @@ from ttftc.commands.loadtest import seconds
 
 NO_BUCKETS = "none"
 DEFAULT_BUCKETS_TEXT = "32,64,128,256,512,1024,2048"  # ttftc.llm.SERVING_BUCKETS, not imported: --help stays quick
+DEFAULT_STEP_TOKENS = 256  # ttftc.llm.DEFAULT_STEP_TOKENS
 
 
 def _buckets(text: str):
@@ -49,18 +50,24 @@ def add_parser(subparsers) -> None:
     p.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS_TEXT, metavar="N[,N...]|none",
                    help=f"prompt-length buckets to compile (default {DEFAULT_BUCKETS_TEXT}); none serves every "
                    "prompt eagerly")
-    p.add_argument("--chunked-prefill", type=_chunk, default=512, metavar="N|none",
-                   help="chunk size of long prompts' prefill (default 512)")
+    p.add_argument("--chunked-prefill", type=_chunk, default=DEFAULT_STEP_TOKENS, metavar="N|none",
+                   help=f"most tokens of one prompt a step prefills: long prompts run in chunks beside other "
+                   f"requests (default {DEFAULT_STEP_TOKENS}); none prefills each prompt whole")
     p.add_argument("--no-prompt-cache", action="store_true", help="no prefix cache")
     p.add_argument("--eager-kv-path", action="store_true",
                    help="run decode and cached-prefix prefill eagerly instead of compiling them (starts faster)")
     p.add_argument("--prefix-cache-mb", type=_positive, default=1024, help="prefix cache budget (default 1024)")
-    p.add_argument("--max-batch-tokens", type=_positive, default=1024,
-                   help="scheduler token budget per step; also closes the batching window (default 1024)")
+    p.add_argument("--max-batch-tokens", type=_positive, default=DEFAULT_STEP_TOKENS,
+                   help="scheduler token budget per step (decodes plus prefill tokens; default "
+                   f"{DEFAULT_STEP_TOKENS}). It bounds a step's time and so the wait of a short request behind a long prompt: smaller "
+                   "favours short requests' TTFT and streams, larger the long prompt's TTFT and throughput; also "
+                   "closes the batching window")
     p.add_argument("--batch-window-ms", type=_non_negative_seconds, default=2.0,
                    help="how long a new request may wait for others to share its prefill (default 2 ms; "
                    "0: none). It trades TTFT (each request may wait up to it) for throughput (fewer, larger "
                    "prefill forwards)")
+    p.add_argument("--no-batched-decode", action="store_true",
+                   help="decode each running request in its own forward instead of all in one per step")
     p.add_argument("--max-running", type=_positive, default=64, help="sequences in flight at once (default 64)")
     p.add_argument("--tenant-header", metavar="NAME",
                    help="HTTP header naming the tenant (prefix-cache namespace), e.g. X-Tenant; without it every "
@@ -93,7 +100,7 @@ def run(args) -> int:
                   prompt_cache=not args.no_prompt_cache, prefix_cache_bytes=args.prefix_cache_mb << 20,
                   artifact=args.artifact, max_batch_tokens=args.max_batch_tokens,
                   batch_window_ms=args.batch_window_ms, max_running=args.max_running, name=args.name,
-                  compile_kv_path=not args.eager_kv_path)
+                  compile_kv_path=not args.eager_kv_path, batched_decode=not args.no_batched_decode)
     except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from None
     for note in llm.notes:

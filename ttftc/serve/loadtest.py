@@ -4,7 +4,10 @@
 Requests. Each prompt is `--prompt-len` random token ids (sent as ids, so any served model takes them), of which
 the first `--shared-prefix` are the same for every request (a system prompt). With `--long-prompt-len L`, one
 L-token prompt is sent right after the first request: the mixed short/long workload that chunked prefill is
-for. Its figures are reported apart; the headline figures are the short requests'.
+for. Its figures are reported apart; the headline figures are the short requests'. `--long-every S` sends
+another L-token prompt every S seconds after that one, for as long as arrivals last: with one long prompt per
+run, the p95 of the short requests is decided by the two or three of them that land behind it, and moves a lot
+from run to run; with one every S seconds, about (long prefill time) / S of the short requests meet one.
 
 Arrivals. `--rate R` requests per second as a Poisson process for `--duration` seconds; `--rate inf` is a closed
 loop instead: `--concurrency` clients each send their next request as soon as the last one ended, which
@@ -39,6 +42,7 @@ class LoadSpec:
     concurrency: int = 64
     slo_ttft_ms: float = 700.0
     long_prompt_len: int = 0
+    long_every_s: float = 0.0  # 0: one long prompt per run
     model: Optional[str] = None  # None: the first model the server lists
     headers: tuple[tuple[str, str], ...] = ()
     seed: int = 0
@@ -57,6 +61,10 @@ class LoadSpec:
             raise ValueError(f"--shared-prefix must be between 0 and --prompt-len ({self.prompt_len})")
         if self.long_prompt_len < 0:
             raise ValueError("--long-prompt-len must be >= 0")
+        if not 0 <= self.long_every_s < math.inf:
+            raise ValueError(f"--long-every must be a finite number of seconds >= 0, got {self.long_every_s}")
+        if self.long_every_s and not self.long_prompt_len:
+            raise ValueError("--long-every needs --long-prompt-len")
 
 
 @dataclass
@@ -166,19 +174,33 @@ async def run_load(spec: LoadSpec) -> dict:
 
 async def _open_loop(spec: LoadSpec, launch, rng: random.Random, start: float) -> None:
     t, sent = 0.0, 0
+    next_long: Optional[float] = None  # when the next long prompt is due, once the first one went
     long_pending = spec.long_prompt_len > 0
+
+    async def at(when: float) -> None:
+        delay = when - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def after(when: float) -> Optional[float]:
+        due = when + spec.long_every_s
+        return due if spec.long_every_s > 0 and due <= spec.duration_s else None
+
     while sent < spec.max_requests:
         t += rng.expovariate(spec.rate)
         if t > spec.duration_s:
             break
-        delay = t - (time.perf_counter() - start)
-        if delay > 0:
-            await asyncio.sleep(delay)
+        while next_long is not None and next_long <= t:
+            await at(next_long)
+            launch("long", spec.long_prompt_len, next_long)
+            next_long = after(next_long)
+        await at(t)
         launch("short", spec.prompt_len, t)
         sent += 1
         if long_pending:  # right behind the first short request, so the ones after it meet it in the engine
             launch("long", spec.long_prompt_len, t + 1e-3)
             long_pending = False
+            next_long = after(t + 1e-3)
 
 
 async def _closed_loop(spec: LoadSpec, launch, start: float) -> None:
@@ -238,8 +260,8 @@ def summarize(spec: LoadSpec, model: str, results: list[RequestResult], wall_s: 
             "e2e_ms": _stats_ms(e2e),
             "cached_tokens_mean": (sum(r.cached_tokens or 0 for r in ok) / len(ok)) if ok else None,
         },
-        "long": [{"prompt_tokens": r.prompt_tokens, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1e3,
-                  "error": r.error} for r in longs],
+        "long": [{"prompt_tokens": r.prompt_tokens, "scheduled_s": r.scheduled_s,
+                  "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1e3, "error": r.error} for r in longs],
         "first_errors": sorted({r.error for r in results if r.error})[:5],
         "requests": [
             {"index": r.index, "kind": r.kind, "scheduled_s": r.scheduled_s, "sent_s": r.sent_s,

@@ -39,6 +39,14 @@ def summary_lines(doc: dict) -> list[str]:
     return lines
 
 
+def _long_text(cfg: dict) -> str:
+    if not cfg["long_prompt_len"]:
+        return ""
+    every = cfg.get("long_every_s") or 0
+    return (f", {cfg['long_prompt_len']}-token prompts every {every:g} s" if every
+            else f", one {cfg['long_prompt_len']}-token prompt")
+
+
 def markdown(doc: dict) -> str:
     s, cfg = doc["summary"], doc["settings"]
     rows = [("TTFT", s["ttft_ms"]), ("inter-token latency", s["itl_ms"]), ("end to end", s["e2e_ms"])]
@@ -49,7 +57,7 @@ def markdown(doc: dict) -> str:
         f"- Poisson rate {cfg['rate']}/s for {cfg['duration_s']} s (inf: closed loop), "
         f"concurrency {cfg['concurrency']}",
         f"- prompts of {cfg['prompt_len']} tokens ({cfg['shared_prefix']} shared), {cfg['max_tokens']} tokens "
-        f"generated each" + (f", one {cfg['long_prompt_len']}-token prompt" if cfg["long_prompt_len"] else ""),
+        f"generated each" + _long_text(cfg),
         f"- requests {s['requests']}, completed {s['completed']}, errors {s['errors']}",
         f"- throughput {_rate(s['throughput_rps'])} req/s, {_rate(s['output_tokens_per_s'])} tokens/s; goodput "
         f"{_rate(s['goodput_rps'])} req/s under TTFT <= {cfg['slo_ttft_ms']:.0f} ms",
