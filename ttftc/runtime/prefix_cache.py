@@ -338,6 +338,13 @@ class PrefixCache:
 
     def _push_evictable(self, node: _Node) -> None:
         heapq.heappush(self._evictable, (node.last_access, next(self._tiebreak), node))
+        if len(self._evictable) > 2 * self._blocks_held + 16:
+            # Every release pushes an entry and only evictions pop them, so while nothing needs evicting the stale
+            # ones (re-referenced, touched since, or evicted) would pile up without bound: drop them. At most one
+            # entry per evictable block remains, so this runs at most once per blocks_held + 16 pushes.
+            self._evictable = [entry for entry in self._evictable
+                               if entry[0] == entry[2].last_access and self._is_evictable(entry[2])]
+            heapq.heapify(self._evictable)
 
     def _is_evictable(self, node: _Node) -> bool:
         return node.refs == 0 and not node.children and node.parent is not None and node.payload is not None
