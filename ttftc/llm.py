@@ -38,11 +38,12 @@ from ttftc.text import Delta as Delta  # re-exported: what stream() yields
 # Bucket table for serving: short chat turns to long documents, each bucket at most 2x its shortest prompt.
 SERVING_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
-# Tokens per scheduler step (and per chunk of a long prompt). Sized for latency, not throughput: on the 2-core
-# AMD EPYC this project measures on, a llama-135m step of 256 tokens takes about 0.2-0.45 s (more the later the
-# chunk sits in a long prompt), so a short request that arrives during a long prompt's prefill waits one such step,
-# where 512-token chunks made it wait 0.5-0.7 s (README, Serving, has the measurements and the trade-off).
-DEFAULT_STEP_TOKENS = 256
+# The scheduler's token budget per step, and the most tokens of one prompt a step prefills. Sized for the TTFT of
+# short requests beside long prompts, not for throughput (README, Serving, has the measurements): a step carries
+# the batched decode, the short prompts that arrived (up to ~3 of 128 tokens, in one bucketed forward) and at most
+# a 128-token chunk of a long prompt, so a short request waits for one such step, not for a long prefill.
+DEFAULT_STEP_TOKENS = 512
+DEFAULT_CHUNK_TOKENS = 128
 _FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "cancelled", "error": "error"}
 
 Prompt = Union[str, Sequence[int]]
@@ -240,7 +241,7 @@ class LLM:
 
     def __init__(self, model_or_path: Union[str, Path, torch.nn.Module], *, precision: str = "auto",
                  buckets: Optional[Sequence[int]] = SERVING_BUCKETS, prompt_cache=True,
-                 chunked_prefill: Optional[int] = DEFAULT_STEP_TOKENS, artifact: Optional[Union[str, Path]] = None,
+                 chunked_prefill: Optional[int] = DEFAULT_CHUNK_TOKENS, artifact: Optional[Union[str, Path]] = None,
                  max_batch_tokens: int = DEFAULT_STEP_TOKENS, batch_window_ms: float = 2.0, max_running: int = 64,
                  prefill_batch_sizes: Sequence[int] = (1, 2, 4, 8), prefill_batch_tokens: int = 512,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, tokenizer: Any = None,

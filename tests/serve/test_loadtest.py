@@ -89,3 +89,12 @@ def test_long_every_is_checked(url, capsys):
     assert "--long-every needs --long-prompt-len" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["loadtest", url, "--rate", "1", "--duration", "1", "--long-prompt-len", "9", "--long-every", "-1"])
+
+
+def test_serve_and_llm_step_defaults_agree():
+    from ttftc import llm
+    from ttftc.commands import serve
+
+    assert serve.DEFAULT_STEP_TOKENS == llm.DEFAULT_STEP_TOKENS
+    assert serve.DEFAULT_CHUNK_TOKENS == llm.DEFAULT_CHUNK_TOKENS
+    assert serve.DEFAULT_BUCKETS_TEXT == ",".join(map(str, llm.SERVING_BUCKETS))

@@ -10,7 +10,8 @@ from ttftc.commands.loadtest import seconds
 
 NO_BUCKETS = "none"
 DEFAULT_BUCKETS_TEXT = "32,64,128,256,512,1024,2048"  # ttftc.llm.SERVING_BUCKETS, not imported: --help stays quick
-DEFAULT_STEP_TOKENS = 256  # ttftc.llm.DEFAULT_STEP_TOKENS
+DEFAULT_STEP_TOKENS = 512  # ttftc.llm.DEFAULT_STEP_TOKENS
+DEFAULT_CHUNK_TOKENS = 128  # ttftc.llm.DEFAULT_CHUNK_TOKENS
 
 
 def _buckets(text: str):
@@ -50,18 +51,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS_TEXT, metavar="N[,N...]|none",
                    help=f"prompt-length buckets to compile (default {DEFAULT_BUCKETS_TEXT}); none serves every "
                    "prompt eagerly")
-    p.add_argument("--chunked-prefill", type=_chunk, default=DEFAULT_STEP_TOKENS, metavar="N|none",
+    p.add_argument("--chunked-prefill", type=_chunk, default=DEFAULT_CHUNK_TOKENS, metavar="N|none",
                    help=f"most tokens of one prompt a step prefills: long prompts run in chunks beside other "
-                   f"requests (default {DEFAULT_STEP_TOKENS}); none prefills each prompt whole")
+                   f"requests (default {DEFAULT_CHUNK_TOKENS}); none prefills each prompt whole")
     p.add_argument("--no-prompt-cache", action="store_true", help="no prefix cache")
     p.add_argument("--eager-kv-path", action="store_true",
                    help="run decode and cached-prefix prefill eagerly instead of compiling them (starts faster)")
     p.add_argument("--prefix-cache-mb", type=_positive, default=1024, help="prefix cache budget (default 1024)")
     p.add_argument("--max-batch-tokens", type=_positive, default=DEFAULT_STEP_TOKENS,
                    help="scheduler token budget per step (decodes plus prefill tokens; default "
-                   f"{DEFAULT_STEP_TOKENS}). It bounds a step's time and so the wait of a short request behind a long prompt: smaller "
-                   "favours short requests' TTFT and streams, larger the long prompt's TTFT and throughput; also "
-                   "closes the batching window")
+                   f"{DEFAULT_STEP_TOKENS}). It bounds a step's time and so the wait of a short request behind a "
+                   "long prompt: smaller favours short requests' TTFT and streams, larger the long prompt's TTFT "
+                   "and throughput; also closes the batching window")
     p.add_argument("--batch-window-ms", type=_non_negative_seconds, default=2.0,
                    help="how long a new request may wait for others to share its prefill (default 2 ms; "
                    "0: none). It trades TTFT (each request may wait up to it) for throughput (fewer, larger "
