@@ -1,23 +1,22 @@
 """Which exact CPU path should ttftc.attention take? Interleaved medians in one process, reported as ratios.
 
 Candidates, per case:
-  lowering   ttftc's CPU lowering (ATen flash kernel; LSE merge for q_offset; query blocks for a window)
-  flash+mask the flash kernel with a full additive [Sq, Skv] mask (the obvious alternative for offset/window)
-  blocked    a query-blocked matmul + softmax loop in plain torch (256 rows per block, GQA by broadcasting)
-  reference  the op's own reference (what runs without a lowering)
+  native      ttftc's CPU lowering on its native fp32 kernel (csrc/attention_kernel.h: every mask in one pass)
+  flash       the lowering on ATen's flash kernel (LSE merge for q_offset; query blocks for a window)
+  gemm_blocks the lowering on batched GEMMs per block of query rows (plain causal; the rest is flash)
+  flash+mask  the flash kernel with a full additive [Sq, Skv] mask (the obvious alternative for offset/window)
+  blocked     a query-blocked matmul + softmax loop in plain torch (256 rows per block, GQA by broadcasting)
+  reference   the op's own reference (what runs without a lowering)
+q, k and v are [B, S, H, D] tensors viewed as [B, H, S, D], as a model's projections produce them.
 
 Run:  python benchmarks/attention_cpu.py [--lengths 512 2048] [--repeats 5]
-The machine is shared, so only ratios against `lowering` measured in the same round are meaningful.
+Only ratios against `flash` measured in the same round are meaningful on a shared machine.
 
-Measured on the 2-core dev box (fp32, D=64, 16 heads, load average ~9 from other jobs, so +-30% noise):
-  causal S=512:   lowering 48-57 ms; flash+mask 3.7-4.2x, blocked 8.6-11x, reference ~6x slower
-  causal S=2048:  lowering 405-425 ms; flash+mask 2.2x, blocked 5-7x, reference ~9x slower
-  chunk 1024 after 1024 (q_offset): LSE-merged two calls 288-462 ms vs one masked call 374-540 ms
-  window 256 at S=2048: query blocks and one masked call within noise of each other (776 vs 777 ms min)
-  offset/window cases <= 1M query-key pairs: one masked call measured 10-30% faster than the rewrites, so the
-  lowering uses it there (the rewrites keep memory O(rows x window) beyond that).
-Decision: the flash kernel for everything; is_causal for the common q_offset=0 case.
+Earlier (session 1, 2-core box under load, flash only): one masked call measured 10-30% faster than the rewrites
+for offset/window cases up to 1M query-key pairs, so the flash path uses it there (the rewrites keep memory
+O(rows x window) beyond that); the LSE merge beat one masked call for chunks at an offset.
 """
+
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ import time
 
 import torch
 
-from ttftc.codegen.cpu.attention import attention_cpu
+from ttftc.codegen.cpu.attention import attention_cpu, kernels_for
 from ttftc.ops.attention import attention, attention_mask
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -65,7 +64,12 @@ def reference(q, k, v, **params):
     return attention.reference(q, k, v, **params)
 
 
-CANDIDATES = {"lowering": attention_cpu, "flash+mask": flash_with_mask, "blocked": blocked, "reference": reference}
+def _lowering(kernel):
+    return lambda q, k, v, **params: attention_cpu(q, k, v, tuning_config={"kernel": kernel}, **params)
+
+
+CANDIDATES = {"native": _lowering("native"), "flash": _lowering("flash"), "gemm_blocks": _lowering("gemm_blocks"),
+              "flash+mask": flash_with_mask, "blocked": blocked, "reference": reference}
 
 
 def cases(lengths):
@@ -85,14 +89,15 @@ def main() -> None:
     parser.add_argument("--skip-reference", action="store_true")
     args = parser.parse_args()
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    names = [n for n in CANDIDATES if not (args.skip_reference and n == "reference")]
+    names = [n for n in CANDIDATES if not (args.skip_reference and n == "reference")
+             and not (n == "native" and "native" not in kernels_for(dtype))]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, D=64, batch 1")
-    print(f"{'case':<28}" + "".join(f"{n:>14}" for n in names) + "   (median ms; x = time / lowering)")
+    print(f"{'case':<28}" + "".join(f"{n:>14}" for n in names) + "   (median ms; x = time / flash)")
     for label, shape, params in cases(args.lengths):
         gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, shape["hq"], shape["sq"], 64, generator=gen).to(dtype)
-        k = torch.randn(1, shape["hkv"], shape["skv"], 64, generator=gen).to(dtype)
-        v = torch.randn(1, shape["hkv"], shape["skv"], 64, generator=gen).to(dtype)
+        q = torch.randn(1, shape["sq"], shape["hq"], 64, generator=gen).to(dtype).transpose(1, 2)
+        k = torch.randn(1, shape["skv"], shape["hkv"], 64, generator=gen).to(dtype).transpose(1, 2)
+        v = torch.randn(1, shape["skv"], shape["hkv"], 64, generator=gen).to(dtype).transpose(1, 2)
         params = dict(params, scale=0.125)
         expected = attention.reference(q.float(), k.float(), v.float(), **params)
         times = {n: [] for n in names}
@@ -106,7 +111,7 @@ def main() -> None:
                 CANDIDATES[n](q, k, v, **params)
                 times[n].append(time.perf_counter() - t0)
         med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-        cells = "".join(f"{med[n]:>8.1f} {med[n] / med['lowering']:>4.1f}x" for n in names)
+        cells = "".join(f"{med[n]:>8.1f} {med[n] / med['flash']:>4.2f}x" for n in names)
         print(f"{label:<28}{cells}")
 
 

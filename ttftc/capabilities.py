@@ -45,6 +45,8 @@ class Capabilities:
     flags: tuple[str, ...] = ()  # the flags among those ttftc looks at
     # fp32 time / bf16 time of the attention kernel, measured where bf16 is native; None where not measured.
     bf16_attention_speedup: Optional[float] = None
+    # The instruction set ttftc's native CPU kernels run with here, or why they do not run (CPU only).
+    native_kernels: Optional[str] = None
 
     @property
     def bf16_attention(self) -> bool:
@@ -56,9 +58,10 @@ class Capabilities:
         flags = ",".join(self.flags) or "none of avx512_bf16/amx/vnni"
         attention = ("" if self.bf16_attention_speedup is None
                      else f"; bf16 attention {self.bf16_attention_speedup:.2f}x fp32 (measured)")
+        native = "" if self.native_kernels is None else f"; ttftc native kernels: {self.native_kernels}"
         return (f"{self.device} {self.name}: native bf16 {'yes' if self.native_bf16 else 'no'} ({self.bf16_evidence})"
                 f"{attention}; int8 dot {'yes' if self.int8_dot else 'no'}; AMX {'yes' if self.amx else 'no'}; "
-                f"flags {flags}")
+                f"flags {flags}{native}")
 
 
 _WATCHED_FLAGS = ("avx512_bf16", "amx_bf16", "amx_int8", "amx_tile", "avx512_vnni", "avx_vnni", "avx512f",
@@ -103,10 +106,10 @@ def measured_bf16_speedup() -> float:
 @functools.cache
 def measured_bf16_attention_speedup() -> float:
     """fp32 time / bf16 time of causal prefill attention (8 heads x 512 tokens x 64) on this CPU, each dtype on its
-    fastest CPU kernel (ATen's flash kernel, or the GEMM-blocked one), measured once."""
-    from ttftc.codegen.cpu.attention import causal_kernel_seconds  # the kernels the CPU lowering will run
+    fastest CPU kernel (ttftc's native fp32 kernel, ATen's flash kernel, or the GEMM-blocked one), measured once."""
+    from ttftc.codegen.cpu.attention import kernel_seconds  # the kernels the CPU lowering will run
 
-    return min(causal_kernel_seconds(torch.float32).values()) / min(causal_kernel_seconds(torch.bfloat16).values())
+    return min(kernel_seconds(torch.float32).values()) / min(kernel_seconds(torch.bfloat16).values())
 
 
 def _cpu() -> Capabilities:
@@ -128,7 +131,10 @@ def _cpu() -> Capabilities:
     int8_dot = bool(flags and {"avx512_vnni", "avx_vnni", "amx_int8", "i8mm", "asimddp"} & flags)
     amx = bool(flags and {"amx_tile", "amx_bf16", "amx_int8"} & flags)
     attention = measured_bf16_attention_speedup() if native and override is None else None
-    return Capabilities("cpu", name, native, evidence, int8_dot, amx, watched, attention)
+    from ttftc.codegen.cpu import _native  # what the CPU lowerings will run with
+
+    kernels = _native.isa() or _native.unavailable_reason()
+    return Capabilities("cpu", name, native, evidence, int8_dot, amx, watched, attention, kernels)
 
 
 def _cuda() -> Capabilities:

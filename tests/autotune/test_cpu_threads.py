@@ -9,6 +9,7 @@ from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, TensorSpec, space_for
 from ttftc.autotune.tuner import OpInstance, tune_instances
 from ttftc.codegen.cpu import _threads
+from ttftc.codegen.cpu import attention as cpu_attention
 from ttftc.codegen.cpu._threads import honours_num_threads, intra_op_threads, thread_counts
 from ttftc.codegen.lowering import load_providers
 
@@ -94,9 +95,11 @@ def test_plain_causal_attention_searches_its_kernel_and_the_thread_count_only():
     allowed, pruned = space_for("attention", "cpu").candidates(problem)
     counts = {c["num_threads"] for c in allowed}
     assert counts == {None} | _explicit_counts()
-    kernels = {(c["causal_kernel"], c["gemm_block_rows"]) for c in allowed}
-    # flash once, gemm_blocks per block size; the offset/window knobs never multiply plain causal candidates
-    assert len(allowed) == len(counts) * len(kernels) and len(kernels) == 4
+    kernels = {(c["kernel"], c["gemm_block_rows"], c["native_block_k"]) for c in allowed}
+    # flash once, gemm_blocks per block size, native per key block (where built); the offset/window knobs never
+    # multiply plain causal candidates
+    native_blocks = 4 if "native" in cpu_attention.kernels_for(torch.float32) else 0
+    assert len(allowed) == len(counts) * len(kernels) and len(kernels) == 4 + native_blocks
     assert pruned and all("ignores" in reason or "current thread count" in reason for _, reason in pruned)
 
 

@@ -1,4 +1,5 @@
-"""The CPU lowering (ATen's flash kernel, with the op's offset/window/kv_len rewritten onto it) vs the reference."""
+"""The CPU lowering vs the reference, on each of its kernels: ATen's flash kernel (with the op's offset/window/kv_len
+rewritten onto it) and ttftc's native fp32 kernel (every mask in one pass; other dtypes fall back to flash)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 import ttftc
 from ttftc import zoo
+from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu import attention as cpu_attention
 from ttftc.codegen.cpu.attention import _unsupported_reason, attention_cpu
 from ttftc.codegen.lowering import LoweringContext
@@ -18,11 +20,19 @@ FP32_TOL = (1e-5, 1e-5)
 SCALE = 0.3
 
 
-@pytest.fixture(autouse=True)
-def flash_for_plain_causal(monkeypatch):
-    """Plain causal cases here run ATen's flash kernel whatever this CPU measured faster: the GEMM-blocked kernel,
-    with its own (bf16-score) tolerances, is tested in test_attention_gemm_blocks_cpu.py."""
-    monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "causal_kernel", "flash")
+@pytest.fixture(autouse=True, params=["flash", "native"])
+def kernel(request, monkeypatch):
+    """Every case runs on the flash kernel and on the native one, whatever this CPU measured faster. The GEMM-blocked
+    kernel, with its own (bf16-score) tolerances, is tested in test_attention_gemm_blocks_cpu.py. The native
+    kernel's absence is a failure of its own (tests/codegen/test_native_cpu.py), not a reason to skip here."""
+    if request.param == "native" and _native.unavailable_reason() is not None:
+        pytest.skip(_native.unavailable_reason())
+    monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", request.param)
+    return request.param
+
+
+# For the tests of the flash kernel's own rewrites (thresholds, merges, window blocks): flash only.
+flash_only = pytest.mark.parametrize("kernel", ["flash"], indirect=True)
 
 
 @pytest.fixture(params=["one-masked-call", "memory-bounded"])
@@ -111,6 +121,7 @@ def test_empty_queries_or_keys_give_an_empty_or_zero_result():
     assert no_keys.shape == (1, 2, 6, 16) and not no_keys.any()
 
 
+@flash_only
 def test_the_two_call_causal_merge_handles_every_offset_directly():
     q, k, v = _qkv(1, 2, 1, 6, 9, 16)
     for q_offset in (0, 3, 9, 12):
@@ -136,6 +147,7 @@ def paths(monkeypatch):
     return taken
 
 
+@flash_only
 @pytest.mark.parametrize("sq,skv,q_offset,window,small,expected", [
     (8, 8, 0, 0, 0, []),  # plain causal prefill: one flash call whatever the threshold
     (8, 8, 0, 8, 0, []),  # a window as long as the prompt hides nothing
@@ -216,6 +228,7 @@ def test_no_quadratic_memory_at_4096_tokens():
     assert biggest.cpu_memory_usage < one_head_scores / 4, (biggest.name, biggest.cpu_memory_usage)
 
 
+@flash_only
 @pytest.mark.parametrize("tuning", [{"window_block_rows": 64, "small_mask_pairs": 0},
                                     {"window_block_rows": 512, "small_mask_pairs": 1 << 22}])
 def test_every_tuning_config_is_exact(tuning):

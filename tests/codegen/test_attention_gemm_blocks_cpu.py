@@ -36,7 +36,7 @@ def _qkv(b, h, hkv, s, d, dtype, seed=0):
 def test_gemm_blocks_match_the_reference(dtype, b, h, hkv, s, rows):
     q, k, v = _qkv(b, h, hkv, s, 32, dtype)
     out = attention_cpu(q, k, v, causal=True, scale=0.3,
-                        tuning_config={"causal_kernel": "gemm_blocks", "gemm_block_rows": rows})
+                        tuning_config={"kernel": "gemm_blocks", "gemm_block_rows": rows})
     assert out.dtype == dtype and out.shape == (b, h, s, 32)
     assert out.transpose(1, 2).is_contiguous()  # the flash layout the lowering declares
     tol = TOLERANCES[dtype]
@@ -45,8 +45,8 @@ def test_gemm_blocks_match_the_reference(dtype, b, h, hkv, s, rows):
 
 def test_the_two_kernels_agree_in_fp32():
     q, k, v = _qkv(1, 8, 2, 200, 64, torch.float32, seed=3)
-    flash = attention_cpu(q, k, v, causal=True, scale=0.3, tuning_config={"causal_kernel": "flash"})
-    blocks = attention_cpu(q, k, v, causal=True, scale=0.3, tuning_config={"causal_kernel": "gemm_blocks"})
+    flash = attention_cpu(q, k, v, causal=True, scale=0.3, tuning_config={"kernel": "flash"})
+    blocks = attention_cpu(q, k, v, causal=True, scale=0.3, tuning_config={"kernel": "gemm_blocks"})
     torch.testing.assert_close(blocks, flash, atol=1e-5, rtol=1e-5)
 
 
@@ -54,23 +54,26 @@ def test_without_a_tuned_kernel_the_measured_faster_one_runs(monkeypatch):
     ran = []
     real = cpu_attention._causal_gemm_blocks
     monkeypatch.setattr(cpu_attention, "_causal_gemm_blocks", lambda *a: ran.append("gemm_blocks") or real(*a))
-    monkeypatch.setattr(cpu_attention, "causal_kernel_seconds", lambda dtype: {"flash": 2.0, "gemm_blocks": 1.0})
+    monkeypatch.setattr(cpu_attention, "kernel_seconds", lambda dtype: {"flash": 2.0, "gemm_blocks": 1.0})
     q, k, v = _qkv(1, 4, 4, 40, 16, torch.bfloat16)
     attention_cpu(q, k, v, causal=True, scale=0.25)
     assert ran == ["gemm_blocks"]
-    monkeypatch.setattr(cpu_attention, "causal_kernel_seconds", lambda dtype: {"flash": 1.0, "gemm_blocks": 2.0})
+    monkeypatch.setattr(cpu_attention, "kernel_seconds", lambda dtype: {"flash": 1.0, "gemm_blocks": 2.0})
     attention_cpu(q, k, v, causal=True, scale=0.25)
     assert ran == ["gemm_blocks"]  # flash this time
 
 
-def test_fp32_takes_flash_without_a_measurement(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "causal_kernel_seconds", lambda dtype: pytest.fail("measured fp32"))
-    assert cpu_attention.fastest_causal_kernel(torch.float32) == "flash"
+def test_the_default_kernel_is_the_fastest_measured_for_each_dtype(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "kernel_seconds",
+                        lambda dtype: {"flash": 2.0, "gemm_blocks": 3.0, "native": 1.0} if dtype == torch.float32
+                        else {"flash": 2.0, "gemm_blocks": 1.0})
+    assert cpu_attention.fastest_kernel(torch.float32) == "native"
+    assert cpu_attention.fastest_kernel(torch.bfloat16) == "gemm_blocks"
 
 
 def test_offset_window_and_kv_len_cases_never_take_gemm_blocks(monkeypatch):
     monkeypatch.setattr(cpu_attention, "_causal_gemm_blocks", lambda *a: pytest.fail("gemm_blocks on a masked case"))
-    tuning = {"causal_kernel": "gemm_blocks"}
+    tuning = {"kernel": "gemm_blocks"}
     q, k, v = _qkv(2, 4, 2, 30, 16, torch.float32)
     attention_cpu(q, k, v, causal=True, scale=0.25, q_offset=5, tuning_config=tuning)
     attention_cpu(q, k, v, causal=True, scale=0.25, window=7, tuning_config=tuning)
@@ -85,14 +88,17 @@ def _problem(q_offset=0, window=0, dtype=torch.bfloat16):
 
 
 def test_autotune_tries_each_kernel_only_where_it_applies(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "causal_kernel_seconds", lambda dtype: {"flash": 2.0, "gemm_blocks": 1.0})
+    monkeypatch.setattr(cpu_attention, "kernel_seconds", lambda dtype: {"flash": 2.0, "gemm_blocks": 1.0})
     space = space_for("attention", "cpu", "cpu")
     plain, _ = space.candidates(_problem())
-    assert plain[0]["causal_kernel"] == "gemm_blocks"  # the default: the measured faster kernel
-    kernels = {(c["causal_kernel"], c["gemm_block_rows"]) for c in plain}
+    assert plain[0]["kernel"] == "gemm_blocks"  # the default: the measured faster kernel
+    kernels = {(c["kernel"], c["gemm_block_rows"]) for c in plain}
     assert ("flash", cpu_attention.DEFAULT_TUNING["gemm_block_rows"]) in kernels
     assert {rows for kernel, rows in kernels if kernel == "gemm_blocks"} == {64, 128, 256}
     assert {rows for kernel, rows in kernels if kernel == "flash"} == {cpu_attention.DEFAULT_TUNING["gemm_block_rows"]}
     assert all(c["small_mask_pairs"] == cpu_attention.DEFAULT_TUNING["small_mask_pairs"] for c in plain)
+    assert "native" not in {c["kernel"] for c in plain}  # an fp32-only kernel, and this problem is bf16
     offset, _ = space.candidates(_problem(q_offset=8))
-    assert {c["causal_kernel"] for c in offset} == {"gemm_blocks"} and len({c["small_mask_pairs"] for c in offset}) > 1
+    # gemm_blocks only runs plain causal attention: with an offset the default is flash, and flash's mask knobs vary
+    assert offset[0]["kernel"] == "flash"
+    assert {c["kernel"] for c in offset} == {"flash"} and len({c["small_mask_pairs"] for c in offset}) > 1

@@ -1,4 +1,5 @@
-"""CPU lowerings of the W8A8 ops against their torch references (tiny shapes)."""
+"""CPU lowerings of the W8A8 ops against their torch references (tiny shapes), with their glue (quantisation,
+norm, dequantisation) on ttftc's native row kernels and on ATen."""
 
 from __future__ import annotations
 
@@ -6,12 +7,43 @@ import pytest
 import torch
 
 import ttftc.ops  # noqa: F401
+from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu import int8_linear as cpu
 from ttftc.codegen.lowering import LoweringContext
 from ttftc.ops.int8_linear import int8_linear, quantize_per_token
 from ttftc.ops.quant import gated_ffn_int8, norm_quant
 
 CPU = LoweringContext(device_type="cpu", forced_provider=None)
+
+
+class _NativeOff:
+    """The lowerings' view of ttftc.codegen.cpu._native when its kernels are not built."""
+
+    ROW_DTYPES = _native.ROW_DTYPES
+    ACTIVATION_CODES = _native.ACTIVATION_CODES
+
+    @staticmethod
+    def unavailable_reason():
+        return "switched off by the test"
+
+    @staticmethod
+    def rows_reason(x):
+        return "switched off by the test"
+
+
+@pytest.fixture(autouse=True, params=["native", "aten"])
+def glue(request, monkeypatch):
+    if request.param == "native":
+        if _native.unavailable_reason() is not None:
+            pytest.skip(_native.unavailable_reason())  # its absence fails test_attention_native_cpu.py
+        calls = []
+        for name in ("quantize_rows", "norm_quant", "dequant", "gated_quant"):
+            real = getattr(_native, name)
+            monkeypatch.setattr(_native, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+        yield calls
+    else:
+        monkeypatch.setattr(cpu, "_native", _NativeOff)
+        yield None
 
 
 def _weights(n, k, seed=0):
@@ -41,32 +73,48 @@ def test_int8_linear_with_prequantised_input():
     torch.testing.assert_close(cpu.int8_linear_cpu(q, scale, w, s, out_dtype=torch.float32), expected)
 
 
-def test_quantize_rows_is_bit_exact_with_the_reference():
-    x = torch.randn(33, 100) * torch.linspace(0.01, 10, 33)[:, None]
+def _ran_native(glue, name):
+    """With the native glue, that kernel ran (the ATen run has nothing to check)."""
+    assert glue is None or name in glue, f"{name} did not run on the native kernel: {glue}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_is_bit_exact_with_the_reference(glue, dtype):
+    x = (torch.randn(33, 100) * torch.linspace(0.01, 10, 33)[:, None]).to(dtype)
     x[4] = 0  # an all-zero row must not divide by zero
     q, scale = cpu.quantize_rows(x)
     q_ref, scale_ref = quantize_per_token(x)
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    _ran_native(glue, "quantize_rows")
 
 
-@pytest.mark.parametrize("kind", ["rms", "layer"])
+# LayerNorm's weight has the input's dtype (the capability check refuses the rest); RMSNorm's may be fp32.
+NORM_DTYPES = [("rms", torch.float32, torch.float32), ("rms", torch.bfloat16, torch.bfloat16),
+               ("rms", torch.bfloat16, torch.float32), ("layer", torch.float32, torch.float32),
+               ("layer", torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("kind,dtype,weight_dtype", NORM_DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_norm_quant_matches_reference(kind, with_residual):
+@pytest.mark.parametrize("width", [64, 203])  # 203: a tail past the last full vector
+def test_norm_quant_matches_reference(glue, kind, with_residual, dtype, weight_dtype, width):
     torch.manual_seed(1)
-    x, residual = torch.randn(2, 9, 64), torch.randn(2, 9, 64)
-    norm_w, norm_b = torch.randn(64), (torch.randn(64) if kind == "layer" else None)
+    x, residual = (torch.randn(2, 9, width) * 2).to(dtype), torch.randn(2, 9, width).to(dtype)
+    norm_w = torch.randn(width).to(weight_dtype)
+    norm_b = torch.randn(width).to(weight_dtype) if kind == "layer" else None
     res = residual if with_residual else None
     q, s, r = cpu.norm_quant_cpu(x, norm_w, norm_b, res, kind=kind, eps=1e-5)
     q_ref, s_ref, r_ref = norm_quant.reference(x, norm_w, norm_b, res, kind=kind, eps=1e-5)
     assert q.shape == q_ref.shape and s.shape == s_ref.shape == (2, 9)
     assert (q.int() - q_ref.int()).abs().max() <= 1  # fused-kernel rounding may move a tie by one step
     torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(r, r_ref)
+    torch.testing.assert_close(r, r_ref, rtol=0, atol=0)
+    _ran_native(glue, "norm_quant")
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("tokens", [7, cpu.ROW_BLOCK + 3])
-def test_gated_ffn_int8_matches_reference(act, tokens):
+def test_gated_ffn_int8_matches_reference(glue, act, tokens):
     torch.manual_seed(2)
     x = torch.randn(tokens, 64)
     w_gu, s_gu = _weights(2 * 96, 64, seed=3)
@@ -76,6 +124,7 @@ def test_gated_ffn_int8_matches_reference(act, tokens):
                                     out_dtype=torch.float32)
     # The activation between the GEMMs is requantised; fp32 summation order can move a tie by one step there.
     torch.testing.assert_close(actual, expected, atol=2e-3 * expected.abs().max().item(), rtol=0)
+    _ran_native(glue, "gated_quant")
 
 
 def test_capability_checks_explain_refusals():
@@ -106,7 +155,7 @@ def test_gated_ffn_int8_with_biases_and_a_prequantised_input(out_dtype, act):
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol * expected.abs().max().item(), rtol=0)
 
 
-def test_dequantisation_scales_rows_and_columns_then_adds_the_bias():
+def test_dequantisation_scales_rows_and_columns_then_adds_the_bias(glue):
     acc = torch.tensor([[10, -20, 30], [1, 2, 3]], dtype=torch.int32)
     x_scale, w_scale, bias = torch.tensor([0.5, 2.0]), torch.tensor([1.0, 0.1, 3.0]), torch.tensor([1.0, 2.0, 3.0])
     expected = acc.double() * x_scale.double()[:, None] * w_scale.double()[None, :] + bias.double()
@@ -116,6 +165,7 @@ def test_dequantisation_scales_rows_and_columns_then_adds_the_bias():
     assert cpu.dequant_epilogue(acc, x_scale, w_scale, None, torch.bfloat16).dtype == torch.bfloat16
     torch.testing.assert_close(cpu.dequant_epilogue(acc, x_scale, w_scale, None, torch.float32).double(),
                                expected - bias.double())
+    _ran_native(glue, "dequant")
 
 
 def test_quantize_rows_saturates_at_127_and_rounds_to_nearest():

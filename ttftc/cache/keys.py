@@ -40,11 +40,16 @@ def versions() -> dict[str, Optional[str]]:
     }
 
 
+SOURCE_SUFFIXES = (".py", ".cpp", ".h")  # the native kernels' C++ is ttftc source too
+
+
 def _hash_sources(subdirs: tuple[str, ...]) -> str:
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for sub in subdirs:
-        for path in sorted((root / sub).rglob("*.py") if (root / sub).is_dir() else [root / sub]):
+        where = root / sub
+        files = [p for p in where.rglob("*") if p.suffix in SOURCE_SUFFIXES] if where.is_dir() else [where]
+        for path in sorted(files):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -1,15 +1,19 @@
-"""ttftc.attention on CPU through ATen's flash-attention kernel (aten._scaled_dot_product_flash_attention_for_cpu).
+"""ttftc.attention on CPU: ttftc's own fp32 kernel, ATen's flash-attention kernel, or batched GEMMs per block.
 
-Why this kernel: benchmarks/attention_cpu.py compares it with the reference (query-chunked matmul + softmax) and
-with a query-blocked matmul/softmax loop; in fp32 it is the fastest exact path measured, it streams K/V in blocks
-(no Sq x Skv score tensor), and it maps GQA heads itself, so K and V are never repeated. Its inner products stay
-in fp32 whatever the input dtype, so where the CPU has native bf16 GEMMs, plain causal prefill in bf16 runs faster
-as batched bf16 GEMMs per block of query rows (`gemm_blocks`); which of the two runs is measured once per process
-(`fastest_causal_kernel`) or set by `ttftc autotune` (`causal_kernel`).
+Three kernels, and which one runs is measured once per process and dtype (`fastest_kernel`) or set by
+`ttftc autotune` (the `kernel` knob):
+- "native": ttftc's fp32 kernel (csrc/attention_kernel.h, built at install): FlashAttention-2's online softmax
+  with the queries along the vector lanes, every mask the op has (causal at any q_offset, sliding window,
+  per-sequence kv_len) in one pass, GQA by head mapping. On an AMD EPYC (Zen 4, AVX-512, 2 threads) it ran
+  causal prefill 1.3-1.9x faster than ATen's flash kernel (benchmarks/attention_cpu.py).
+- "flash": aten._scaled_dot_product_flash_attention_for_cpu. It streams K/V in blocks (no Sq x Skv scores) and maps
+  GQA heads itself, but keeps its inner products in fp32 whatever the input dtype.
+- "gemm_blocks": plain causal prefill as batched GEMMs per block of query rows, which runs bf16 on the CPU's native
+  bf16 GEMMs where it has them (the other masks go to flash).
 
-The kernel only knows "causal, top-left aligned" or an additive mask. Small offset/window cases (at most
-DEFAULT_TUNING["small_mask_pairs"] query-key pairs; autotunable) get an explicit additive mask, which measured fastest there; larger ones are
-rewritten so that nothing Sq x Skv is ever allocated:
+The flash kernel only knows "causal, top-left aligned" or an additive mask. Small offset/window cases (at most
+DEFAULT_TUNING["small_mask_pairs"] query-key pairs; autotunable) get an explicit additive mask, which measured
+fastest there; larger ones are rewritten so that nothing Sq x Skv is ever allocated:
 - causal with q_offset > 0 (bottom-right / chunked prefill): keys [0, q_offset) are visible to every query and
   keys [q_offset, Skv) are causal top-left, so two kernel calls are merged exactly through their logsumexps;
 - a sliding window that binds: query blocks, each against only the keys its window can reach, with a small
@@ -27,6 +31,7 @@ from typing import Optional
 import torch
 
 from ttftc.autotune.space import Problem, SearchSpace, register_space
+from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
 from ttftc.codegen.lowering import register_lowering
 from ttftc.ops.attention import attention_mask
@@ -39,15 +44,18 @@ DEFAULT_TUNING = {
     # Up to this many (query, key) pairs, an explicit additive mask (4 MiB in fp32) and one flash call beat the
     # memory-bounded rewrites (benchmarks/attention_cpu.py: offset and window cases at 512 vs 2048 tokens).
     "small_mask_pairs": 1 << 20,
-    # Plain causal prefill: "flash" (ATen's kernel), "gemm_blocks" (_causal_gemm_blocks), or None: whichever
-    # fastest_causal_kernel measured faster on this CPU for the dtype.
-    "causal_kernel": None,
+    # "native" (every case, fp32), "flash", "gemm_blocks" (plain causal; other masks take flash), or None:
+    # whichever fastest_kernel measured fastest on this CPU for the dtype.
+    "kernel": None,
     # Query rows per block of the gemm_blocks kernel (scores per block: heads x rows x keys).
     "gemm_block_rows": 128,
+    # Keys per block of the native kernel (scores per block: keys x the work item's 16-48 queries).
+    "native_block_k": 128,
 }
-CAUSAL_KERNELS = ("flash", "gemm_blocks")
-_OFFSET_AND_WINDOW_KNOBS = ("window_block_rows", "small_mask_pairs")
-_PLAIN_CAUSAL_KNOBS = ("causal_kernel", "gemm_block_rows")
+KERNELS = ("flash", "gemm_blocks", "native")
+# The knobs each kernel reads (the flash knobs steer its offset/window rewrites).
+_KNOBS = {"flash": ("window_block_rows", "small_mask_pairs"), "gemm_blocks": ("gemm_block_rows",),
+          "native": ("native_block_k",)}
 
 
 def _unsupported_reason(ctx, q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0) -> Optional[str]:
@@ -146,10 +154,16 @@ def _causal_gemm_blocks(q, k, v, scale: float, block_rows: int) -> torch.Tensor:
     return out
 
 
-def _causal_kernel_seconds(kernel: str, dtype: torch.dtype, repeats: int = 3) -> float:
+def kernels_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels that can run this dtype in this process."""
+    native = dtype == torch.float32 and _native.unavailable_reason() is None
+    return KERNELS if native else tuple(k for k in KERNELS if k != "native")
+
+
+def _kernel_seconds(kernel: str, dtype: torch.dtype, repeats: int = 3) -> float:
     q, k, v = (torch.randn(1, 512, 8, 64).to(dtype).transpose(1, 2) for _ in range(3))
-    run = ((lambda: _flash(q, k, v, 0.0, True, scale=0.125)) if kernel == "flash"
-           else (lambda: _causal_gemm_blocks(q, k, v, 0.125, DEFAULT_TUNING["gemm_block_rows"])))
+    tuning = {**DEFAULT_TUNING, "kernel": kernel}
+    run = lambda: _attend(q, k, v, None, causal=True, scale=0.125, q_offset=0, window=0, tuning=tuning)  # noqa: E731
     run()
     best = float("inf")
     for _ in range(repeats):
@@ -160,22 +174,39 @@ def _causal_kernel_seconds(kernel: str, dtype: torch.dtype, repeats: int = 3) ->
 
 
 @functools.cache
-def causal_kernel_seconds(dtype: torch.dtype) -> dict[str, float]:
-    """Seconds of each plain-causal kernel at a prefill-sized problem (8 heads x 512 tokens x 64) on this CPU,
-    measured once per process and dtype: which is faster depends on the CPU (native bf16 GEMMs or not)."""
-    return {kernel: _causal_kernel_seconds(kernel, dtype) for kernel in CAUSAL_KERNELS}
+def kernel_seconds(dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of each kernel at a prefill-sized causal problem (8 heads x 512 tokens x 64) on this CPU, measured
+    once per process and dtype: which is fastest depends on the CPU (its vector width, native bf16 or not)."""
+    return {kernel: _kernel_seconds(kernel, dtype) for kernel in kernels_for(dtype)}
 
 
-def fastest_causal_kernel(dtype: torch.dtype) -> str:
-    """The plain-causal kernel to use when no tuned config names one: flash in fp32 (measured no slower there on
-    either CPU family we know, and skipping the probe keeps fp32 start-up cheap), else the faster one measured."""
-    if dtype == torch.float32:
-        return "flash"
-    times = causal_kernel_seconds(dtype)
+def fastest_kernel(dtype: torch.dtype) -> str:
+    """The kernel to use when no tuned config names one: the fastest one measured for the dtype."""
+    times = kernel_seconds(dtype)
     return min(times, key=times.get)
 
 
-def _attend(q, k, v, *, causal: bool, scale: float, q_offset: int, window: int, tuning: dict) -> torch.Tensor:
+def _native_attention(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: int, window: int,
+                      block_k: int) -> torch.Tensor:
+    out = _flash_layout_fake(q, k, v, causal=causal, scale=scale)
+    # K/V rows a multiple of 4 KiB apart (16 interleaved heads of 64) fall into the same L1 sets: one copy to
+    # [B, H, S, D] ran 2048-token attention faster than the strided reads (136 against 126 GFLOP/s, AMD EPYC).
+    if (k.stride(2) * k.element_size()) % 4096 == 0 and k.stride(2) != k.shape[-1]:
+        k, v = k.contiguous(), v.contiguous()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    lengths = None if kv_len is None else kv_len.to(torch.int64).contiguous()
+    return _native.attention_f32(q, k, v, out, lengths, causal=causal, scale=scale, q_offset=q_offset,
+                                 window=window if causal else 0, block_k=block_k, threads=torch.get_num_threads())
+
+
+def _attend(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: int, window: int, tuning: dict) -> torch.Tensor:
+    kernel = tuning["kernel"] or fastest_kernel(q.dtype)
+    if kernel == "native" and _native.attention_reason(q, k, v) is None:
+        return _native_attention(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window,
+                                 block_k=int(tuning["native_block_k"]))
+    if kv_len is not None:
+        return _per_sequence(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window,
+                             tuning=tuning)
     sq, skv = q.shape[2], k.shape[2]
     if sq == 0 or skv == 0:
         return _zeros_like_out(q, v)
@@ -183,7 +214,6 @@ def _attend(q, k, v, *, causal: bool, scale: float, q_offset: int, window: int, 
         return _flash(q, k, v, 0.0, False, scale=scale)[0]
     window_binds = 0 < window < q_offset + sq  # the window hides keys from at least one row
     if q_offset == 0 and not window_binds and sq == skv:
-        kernel = tuning["causal_kernel"] or fastest_causal_kernel(q.dtype)
         if kernel == "gemm_blocks" and q.shape[1] % k.shape[1] == 0:
             return _causal_gemm_blocks(q, k, v, scale, int(tuning["gemm_block_rows"]))
         return _flash(q, k, v, 0.0, True, scale=scale)[0]
@@ -196,30 +226,38 @@ def _attend(q, k, v, *, causal: bool, scale: float, q_offset: int, window: int, 
     return _causal_from_offset(q, k, v, scale, q_offset)
 
 
+def _plain(problem: Problem) -> bool:
+    return problem.options.get("q_offset", 0) == 0 and problem.options.get("window", 0) == 0
+
+
 def _default_config(problem: Problem) -> dict:
-    return {**DEFAULT_TUNING, "causal_kernel": fastest_causal_kernel(problem.args[0].dtype)}
+    kernel = fastest_kernel(problem.args[0].dtype)
+    if kernel == "gemm_blocks" and not _plain(problem):
+        kernel = "flash"  # what the lowering runs there without a tuned config
+    return {**DEFAULT_TUNING, "kernel": kernel}
 
 
-def _knobs_of_its_path(config: dict, problem: Problem) -> Optional[str]:
-    # The offset/window knobs only steer the offset/window paths, the causal kernel knobs only plain causal
-    # prefill: a knob of the other path would only multiply identical candidates.
-    options = problem.options
-    plain = options.get("q_offset", 0) == 0 and options.get("window", 0) == 0
-    default = _default_config(problem)
-    idle = _OFFSET_AND_WINDOW_KNOBS if plain else _PLAIN_CAUSAL_KNOBS
-    if any(config[name] != default[name] for name in idle):
-        return f"{'plain causal' if plain else 'offset/window'} attention ignores {', '.join(idle)}"
-    if plain and config["causal_kernel"] == "flash" and config["gemm_block_rows"] != default["gemm_block_rows"]:
-        return "the flash kernel ignores gemm_block_rows"
+def _knobs_of_its_kernel(config: dict, problem: Problem) -> Optional[str]:
+    # A knob the chosen kernel does not read would only multiply identical candidates.
+    kernel = config["kernel"]
+    if kernel not in kernels_for(problem.args[0].dtype):
+        return f"the {kernel} kernel does not run {problem.args[0].dtype} here"
+    plain = _plain(problem)
+    if kernel == "gemm_blocks" and not plain:
+        return "gemm_blocks only runs plain causal attention (the rest is flash's)"
+    read = _KNOBS[kernel] if (kernel != "flash" or not plain) else ()
+    idle = [name for knobs in _KNOBS.values() for name in knobs if name not in read]
+    if any(config[name] != DEFAULT_TUNING[name] for name in idle):
+        return f"the {kernel} kernel ignores {', '.join(idle)} here"
     return None
 
 
 register_space(with_thread_axis(SearchSpace(
     "attention", "cpu",
     axes={"window_block_rows": (64, 128, 256, 512), "small_mask_pairs": (0, 1 << 18, 1 << 20, 1 << 22),
-          "causal_kernel": CAUSAL_KERNELS, "gemm_block_rows": (64, 128, 256)},
+          "kernel": KERNELS, "gemm_block_rows": (64, 128, 256), "native_block_k": (32, 64, 128, 256)},
     default=_default_config,
-    constraints=(_knobs_of_its_path,),
+    constraints=(_knobs_of_its_kernel,),
 )))
 
 
@@ -235,18 +273,23 @@ def _in_flash_layout(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _per_sequence(q, k, v, kv_len, *, causal, scale, q_offset, window, tuning) -> torch.Tensor:
+    """Per-sequence key lengths for the ATen kernels: one call per sequence on its own key prefix."""
+    skv = k.shape[2]
+    lengths = [max(0, min(int(n), skv)) for n in kv_len.tolist()]
+    params = dict(causal=causal, scale=scale, q_offset=q_offset, window=window, tuning=tuning)
+    if all(n == skv for n in lengths):
+        return _attend(q, k, v, None, **params)
+    out = _flash_layout_fake(q, k, v, causal=causal, scale=scale)  # every sequence's rows are written below
+    for b, n in enumerate(lengths):
+        out[b : b + 1] = _attend(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None, **params)
+    return out
+
+
 @register_lowering("attention", "cpu", unsupported_reason=_unsupported_reason, priority=10, fake=_flash_layout_fake)
 @honours_num_threads
 def attention_cpu(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, tuning_config=None):
     tuning = {**DEFAULT_TUNING, **(tuning_config or {})}
-    params = dict(causal=causal, scale=float(scale), q_offset=int(q_offset), window=int(window), tuning=tuning)
-    if kv_len is None:
-        return _in_flash_layout(_attend(q, k, v, **params))
-    skv = k.shape[2]
-    lengths = [max(0, min(int(n), skv)) for n in kv_len.tolist()]
-    if all(n == skv for n in lengths):
-        return _in_flash_layout(_attend(q, k, v, **params))
-    out = _flash_layout_fake(q, k, v, causal=causal, scale=scale)  # every sequence's rows are written below
-    for b, n in enumerate(lengths):
-        out[b : b + 1] = _attend(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], **params)
-    return out
+    out = _attend(q, k, v, kv_len, causal=causal, scale=float(scale), q_offset=int(q_offset), window=int(window),
+                  tuning=tuning)
+    return _in_flash_layout(out)

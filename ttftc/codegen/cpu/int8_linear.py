@@ -1,5 +1,9 @@
 """CPU lowerings of the W8A8 ops: ttftc.int8_linear, quantize_per_token, norm_quant and gated_ffn_int8.
 
+The glue around the GEMMs (per-token quantisation, the norm or activation that ends in it, the dequantisation
+epilogue) runs in ttftc's native row kernels (csrc/rows_kernel.h: one pass per row where ATen takes one per op)
+wherever they are built and the dtype is fp32 or bf16; the ATen versions below are the fallback and the oracle.
+
 The GEMM is `torch._int_mm` (oneDNN/MKL s8s8→s32; on CPU it takes any M, K, N), reading the [N, K] weight as
 its transposed view: benchmarks/int8_cpu.py found a pre-transposed row-major [K, N] copy no faster (faster on
 one llama-135m shape, slower on two), so there is no `prepare` step. The dequantisation runs as two passes over
@@ -23,6 +27,7 @@ import weakref
 import torch
 
 from ttftc.autotune.space import SearchSpace, register_space
+from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
 from ttftc.codegen.cpu.ffn import activation_
 from ttftc.codegen.cpu.norm import norm_reason, normalize_cpu, residual_add
@@ -38,6 +43,8 @@ ROW_BLOCK = 512
 
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row, with exactly the reference's arithmetic (ttftc.ops.int8_linear.quantize_per_token)."""
+    if _native.rows_reason(x2d) is None and x2d.stride(-1) == 1:
+        return _native.quantize_rows(x2d)
     xf = x2d.float()
     scale = xf.abs().amax(dim=-1).clamp_(min=1e-8).div_(127.0)
     q = torch.div(xf, scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
@@ -46,6 +53,8 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequant_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias, out_dtype) -> torch.Tensor:
     """acc[M, N] int32 → acc · x_scale[M, None] · w_scale[None, N] (+ bias) in out_dtype."""
+    if out_dtype in _native.ROW_DTYPES and _native.unavailable_reason() is None and acc.stride(-1) == 1:
+        return _native.dequant(acc, x_scale, w_scale, bias, out_dtype)
     out = torch.mul(acc, w_scale)  # int32 · fp32 promotes to a fresh fp32 buffer in one pass
     out.mul_(x_scale.reshape(-1, 1))
     if bias is not None:
@@ -189,12 +198,26 @@ def quantize_per_token_cpu(x):
 
 # -- norm_quant ----------------------------------------------------------------------------------------------
 
+def _native_norm_quant_fits(x, norm_w, norm_b, residual, kind) -> bool:
+    if _native.rows_reason(x) is not None or norm_w.dtype not in (torch.float32, x.dtype):
+        return False
+    if kind == "layer":  # F.layer_norm's contract: weight and bias of x's dtype
+        return norm_b is not None and norm_w.dtype == norm_b.dtype == x.dtype
+    return kind == "rms"
+
 def _norm_quant_reason(ctx, x, norm_w, norm_b=None, residual=None, *, kind, eps):
     return _cpu_reason(ctx, x, None) or norm_reason(ctx, x, norm_w, norm_b, residual, kind=kind, eps=eps)
 
 
 @register_lowering("norm_quant", "cpu", unsupported_reason=_norm_quant_reason)
 def norm_quant_cpu(x, norm_w, norm_b=None, residual=None, *, kind, eps):
+    if _native_norm_quant_fits(x, norm_w, norm_b, residual, kind):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        res = None if residual is None else residual.reshape(rows.shape).contiguous()
+        q, scale, summed = _native.norm_quant(rows, norm_w.contiguous(), None if norm_b is None else norm_b.contiguous(),
+                                              res, layer=kind == "layer", eps=eps)
+        residual_out = x.new_empty(0) if summed is None else summed.view(x.shape)
+        return q.view(x.shape), scale.view(x.shape[:-1]), residual_out
     x, residual_out = residual_add(x, residual)
     normed = normalize_cpu(x, norm_w, norm_b, kind=kind, eps=eps)
     q, scale = quantize_rows(normed.reshape(-1, x.shape[-1]))
@@ -225,9 +248,12 @@ def gated_ffn_int8_cpu(x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale,
     # more than ROW_BLOCK rows of the [tokens, 2I] intermediates.
     for start in range(0, xq.shape[0], ROW_BLOCK):
         stop = min(xq.shape[0], start + ROW_BLOCK)
-        gate_up = dequant_epilogue(torch._int_mm(xq[start:stop], w_gate_up.t()), xs[start:stop], gate_up_scale,
-                                   b_gate_up, torch.float32)
-        h = activation_(gate_up[:, :inter], act).mul_(gate_up[:, inter:])
-        hq, hs = quantize_rows(h)
+        acc = torch._int_mm(xq[start:stop], w_gate_up.t())
+        if act in _native.ACTIVATION_CODES and _native.unavailable_reason() is None:
+            hq, hs = _native.gated_quant(acc, xs[start:stop], gate_up_scale, b_gate_up, act)
+        else:
+            gate_up = dequant_epilogue(acc, xs[start:stop], gate_up_scale, b_gate_up, torch.float32)
+            h = activation_(gate_up[:, :inter], act).mul_(gate_up[:, inter:])
+            hq, hs = quantize_rows(h)
         out[start:stop] = dequant_epilogue(torch._int_mm(hq, w_down.t()), hs, down_scale, b_down, out_dtype)
     return out.view(*x.shape[:-1], w_down.shape[0])

@@ -1,0 +1,174 @@
+"""ttftc's native fp32 attention kernel (ttftc/codegen/cpu/csrc/attention_kernel.h) against an fp64 reference, on
+every instruction-set version this CPU can run, and the module's guards (build present, sources current, inputs
+validated)."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+
+from ttftc.codegen.cpu import _native
+from ttftc.codegen.cpu import attention as cpu_attention
+from ttftc.codegen.cpu.attention import attention_cpu
+
+from tests.codegen.conftest import NATIVE_ISAS, native_isas_here
+
+SCALE = 0.3  # not head_dim**-0.5: a kernel that ignores scale fails
+
+
+def test_the_kernels_are_built_where_a_compiler_was():
+    """A silent build failure at install would otherwise only show as a slower CPU path."""
+    if platform.system() != "Linux" or shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no Linux C++ toolchain: the extension is optional")
+    assert _native.unavailable_reason() is None
+    assert _native.isa() in NATIVE_ISAS
+
+
+def _reference(q, k, v, kv_len=None, *, causal, q_offset=0, window=0, scale=SCALE):
+    b, hq, sq, _ = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    k64, v64 = (t.double().repeat_interleave(hq // hkv, 1) for t in (k, v))
+    scores = q.double() @ k64.transpose(-1, -2) * scale
+    pos = torch.arange(sq)[:, None] + q_offset
+    cols = torch.arange(skv)[None, :]
+    visible = torch.ones(sq, skv, dtype=torch.bool)
+    if causal:
+        visible &= cols <= pos
+        if window:
+            visible &= cols > pos - window
+    visible = visible.expand(b, 1, sq, skv).clone()
+    if kv_len is not None:
+        for row, n in enumerate(kv_len.tolist()):
+            visible[row, :, :, n:] = False
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return probs @ v64
+
+
+def _qkv(b, hq, hkv, sq, skv, d, dv=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # [B, S, H, D] storage viewed as [B, H, S, D], as projections produce them; scores of a few units
+    q = (torch.randn(b, sq, hq, d, generator=gen) * 2).transpose(1, 2)
+    k = torch.randn(b, skv, hkv, d, generator=gen).transpose(1, 2)
+    v = torch.randn(b, skv, hkv, dv or d, generator=gen).transpose(1, 2)
+    return q, k, v
+
+
+def _run(q, k, v, kv_len=None, *, causal, q_offset=0, window=0, block_k=128, threads=2):
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
+    return _native.attention_f32(q, k, v, out, kv_len, causal=causal, scale=SCALE, q_offset=q_offset,
+                                 window=window, block_k=block_k, threads=threads)
+
+
+CASES = [  # b, hq, hkv, sq, skv, d, dv, causal, q_offset, window, kv_len
+    (1, 4, 4, 100, 100, 64, 64, True, 0, 0, None),
+    (2, 6, 2, 77, 77, 64, 64, True, 0, 0, None),  # GQA
+    (1, 2, 2, 33, 90, 64, 64, True, 57, 0, None),  # chunked prefill: queries at an offset
+    (1, 2, 1, 130, 130, 80, 80, True, 0, 17, None),  # sliding window
+    (1, 3, 1, 40, 120, 32, 32, True, 80, 30, None),  # window and offset
+    (2, 2, 2, 50, 60, 128, 128, False, 0, 0, None),
+    (2, 3, 3, 9, 40, 64, 64, True, 31, 0, [40, 25]),  # per-sequence key lengths
+    (2, 2, 1, 20, 20, 16, 16, True, 0, 0, [0, 20]),  # a sequence with no keys: zeros
+    (1, 1, 1, 1, 50, 64, 64, True, 49, 0, None),  # one query (decode-like)
+    (1, 2, 2, 20, 20, 96, 96, True, 0, 0, None),
+    (1, 2, 2, 16, 16, 8, 8, True, 0, 0, None),
+    (1, 2, 2, 25, 25, 24, 40, True, 0, 0, None),  # value dim differs from the key dim
+    (1, 1, 1, 10, 20, 16, 16, True, 40, 5, None),  # every query's window lies past the last key: zeros
+]
+
+
+@pytest.mark.parametrize("block_k", [5, 32, 128])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:10])))
+def test_matches_the_fp64_reference(native_isa, case, block_k):
+    b, hq, hkv, sq, skv, d, dv, causal, q_offset, window, lengths = case
+    q, k, v = _qkv(b, hq, hkv, sq, skv, d, dv)
+    kv_len = None if lengths is None else torch.tensor(lengths)
+    out = _run(q, k, v, kv_len, causal=causal, q_offset=q_offset, window=window, block_k=block_k)
+    expected = _reference(q, k, v, kv_len, causal=causal, q_offset=q_offset, window=window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_large_scores_stay_finite_and_exact():
+    """Scores in the hundreds: the online softmax must rescale, not overflow. fp32 scores of that size carry
+    rounding errors near 3e-5 before any kernel arithmetic (ATen's flash kernel shows the same), hence 1e-4."""
+    q, k, v = _qkv(1, 2, 2, 70, 70, 32, seed=4)
+    q = q * 40
+    out = _run(q, k, v, causal=True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=1e-4, rtol=1e-4)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Each query block is one work item on one thread: the thread count changes who computes it, not how."""
+    q, k, v = _qkv(2, 4, 2, 150, 150, 64, seed=5)
+    one = _run(q, k, v, causal=True, threads=1)
+    three = _run(q, k, v, causal=True, threads=3)
+    assert torch.equal(one, three)
+
+
+def test_rows_four_kib_apart_are_copied_and_still_exact(monkeypatch):
+    """16 interleaved heads of 64 fp32 put K/V rows 4 KiB apart; the lowering copies them to [B, H, S, D] first."""
+    monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", "native")
+    q, k, v = _qkv(1, 16, 16, 40, 40, 64, seed=6)
+    assert k.stride(2) * 4 == 4096
+    seen = []
+    real = _native.attention_f32
+    monkeypatch.setattr(_native, "attention_f32", lambda q, k, v, *a, **kw: seen.append(k.stride(2)) or real(q, k, v, *a, **kw))
+    out = attention_cpu(q, k, v, causal=True, scale=SCALE)
+    assert seen == [64]
+    torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
+
+
+def test_the_lowering_hands_other_dtypes_and_head_dims_to_flash(monkeypatch):
+    monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", "native")
+    monkeypatch.setattr(_native, "attention_f32", lambda *a, **kw: pytest.fail("native kernel on an unsupported case"))
+    q, k, v = _qkv(1, 2, 2, 12, 12, 16)
+    attention_cpu(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, scale=SCALE)
+    q, k, v = _qkv(1, 2, 2, 12, 12, 12)  # 12 is not a multiple of 8
+    out = attention_cpu(q, k, v, causal=True, scale=SCALE)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_are_refused_before_any_pointer_is_used():
+    q, k, v = _qkv(1, 2, 2, 8, 8, 16)
+    out = torch.empty(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="fp32 only"):
+        _native.attention_f32(q.double(), k.double(), v.double(), out, None, causal=True, scale=1.0, q_offset=0,
+                              window=0, block_k=8, threads=1)
+    with pytest.raises(ValueError, match="out must be"):
+        _native.attention_f32(q, k, v, out[..., :8], None, causal=True, scale=1.0, q_offset=0, window=0, block_k=8,
+                              threads=1)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        _native.attention_f32(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, out, None, causal=True,
+                              scale=1.0, q_offset=0, window=0, block_k=8, threads=1)
+    with pytest.raises(ValueError, match="kv_len"):
+        _native.attention_f32(q, k, v, out, torch.tensor([8], dtype=torch.int32), causal=True, scale=1.0,
+                              q_offset=0, window=0, block_k=8, threads=1)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        _native.attention_f32(q, k[:, :0], v[:, :0], out, None, causal=True, scale=1.0, q_offset=0, window=0,
+                              block_k=8, threads=1)
+    with pytest.raises(ValueError, match="block_k"):
+        _native.attention_f32(q, k, v, out, None, causal=True, scale=1.0, q_offset=0, window=0, block_k=0, threads=1)
+
+
+def test_a_build_from_other_sources_is_refused(monkeypatch):
+    _native._load.cache_clear()
+    try:
+        monkeypatch.setattr(_native, "source_digest", lambda directory=_native.CSRC: "0" * 64)
+        assert "other sources" in _native.unavailable_reason()
+        assert "native" not in cpu_attention.kernels_for(torch.float32)
+    finally:
+        monkeypatch.undo()
+        _native._load.cache_clear()
+    assert _native.unavailable_reason() is None or platform.system() != "Linux"
+
+
+def test_set_isa_refuses_what_this_cpu_lacks_or_does_not_know():
+    with pytest.raises(ValueError, match="unknown instruction set"):
+        _native.set_isa("sse9")
+    missing = [name for name in NATIVE_ISAS if name not in native_isas_here()]
+    for name in missing:
+        with pytest.raises(ValueError, match="does not run"):
+            _native.set_isa(name)

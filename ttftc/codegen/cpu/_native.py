@@ -1,0 +1,260 @@
+"""ttftc's native CPU kernels (C++ in csrc/, built at install time by setup.py), loaded once per process.
+
+The extension is optional: without it (no C++ compiler at install, an unsupported platform, or a build from
+sources other than the ones next to this file) `unavailable_reason()` says why, and the lowerings that use it
+step aside for their ATen paths. A build from other sources is refused rather than trusted: a kernel edited in
+csrc/ and not rebuilt would otherwise run the old code under the new source hash that every cache key carries.
+
+Every wrapper validates what it hands over (device, dtype, shapes, unit stride along the last dimension): the
+C++ side works on raw pointers and trusts its arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+# Head dims the attention kernel takes: its register tiles cover 8 output columns at a time on every ISA.
+ATTENTION_DIM_MULTIPLE = 8
+
+
+def source_digest(directory: Path = CSRC) -> str:
+    """sha256 of the kernel sources (names and bytes); setup.py compiles the same digest into the module."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.iterdir() if p.suffix in (".cpp", ".h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _load() -> tuple[Optional[ModuleType], Optional[str]]:
+    try:
+        from ttftc.codegen.cpu import _native_kernels as module
+    except ImportError as exc:
+        return None, f"native kernels not built ({exc}); reinstall ttftc with a C++17 compiler: pip install -e ."
+    if module.source_digest() != source_digest():
+        return None, "native kernels were built from other sources than csrc/ holds now; rebuild: pip install -e ."
+    runtime = _loaded_openmp()
+    if runtime is not None:
+        module.use_openmp(runtime)
+    return module, None
+
+
+def _loaded_openmp() -> Optional[str]:
+    """The OpenMP runtime torch loaded (its path, from this process's own memory map), so parallel kernels run on
+    torch's thread team; None where there is none (then the kernels start threads of their own)."""
+    torch.get_num_threads()  # torch's CPU library, and with it its OpenMP runtime, is loaded by now
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        name = Path(path).name
+        if name.startswith(("libgomp", "libiomp5")):
+            return path
+    return None
+
+
+def _profiled(name: str):
+    """A torch.profiler range around a native call (the profiler cannot see into an extension), only while one runs."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"ttftc_native::{name}")
+    return contextlib.nullcontext()
+
+
+def _call(name: str, *args) -> None:
+    with _profiled(name):
+        getattr(_load()[0], name)(*args)
+
+
+def unavailable_reason() -> Optional[str]:
+    return _load()[1]
+
+
+def isa() -> Optional[str]:
+    """The instruction set the kernels run with on this CPU ("avx512", "avx2" or "base"), None if unavailable."""
+    module = _load()[0]
+    return module.isa() if module is not None else None
+
+
+def set_isa(name: str) -> str:
+    """Run the kernels with an instruction set below this CPU's best ("base", "avx2"); returns the previous one.
+    For tests: every version of a kernel is checked on whatever machine runs them."""
+    module, reason = _load()
+    if module is None:
+        raise RuntimeError(reason)
+    return module.set_isa(name)
+
+
+def attention_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """None when attention_f32 takes these tensors (metadata only), else why not."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    if not (q.dtype == k.dtype == v.dtype == torch.float32):
+        return "the native attention kernel is fp32 only"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v are not 4-D"
+    if q.shape[-1] != k.shape[-1] or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0]:
+        return "q, k, v shapes do not fit together"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return "query heads are not a multiple of kv heads"
+    if q.shape[-1] % ATTENTION_DIM_MULTIPLE or v.shape[-1] % ATTENTION_DIM_MULTIPLE:
+        return f"head dims {q.shape[-1]}, {v.shape[-1]} are not multiples of {ATTENTION_DIM_MULTIPLE}"
+    if any(t.device.type != "cpu" for t in (q, k, v)):
+        return "tensors are not on the CPU"
+    return None
+
+
+def attention_f32(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int, window: int, block_k: int,
+                  threads: int) -> torch.Tensor:
+    """out[b, h] = softmax(q[b, h] k[b, h // group]^T * scale, masked) v[b, h // group], written into `out`.
+
+    q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv], out [B, Hq, Sq, Dv]: any strides with the last
+    dimension contiguous. Query i sits at key position q_offset + i; causal hides keys after it, window (> 0,
+    causal only) keys at or before q_offset + i - window, kv_len[b] (int64, optional) keys from kv_len[b] on.
+    A query that sees no key gets zeros.
+    """
+    reason = attention_reason(q, k, v)
+    if reason is not None:
+        raise ValueError(reason)
+    b, hq, sq, d = q.shape
+    hkv, skv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if tuple(out.shape) != (b, hq, sq, dv) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {(b, hq, sq, dv)}, got {out.dtype} {tuple(out.shape)}")
+    if any(t.numel() and t.stride(-1) != 1 for t in (q, k, v, out)):
+        raise ValueError("q, k, v and out need a contiguous last dimension")
+    if kv_len is not None and (kv_len.dtype != torch.int64 or tuple(kv_len.shape) != (b,) or not kv_len.is_contiguous()):
+        raise ValueError(f"kv_len must be a contiguous int64 tensor of shape ({b},)")
+    if q_offset < 0 or window < 0 or block_k < 1 or threads < 1:
+        raise ValueError("q_offset and window must be >= 0, block_k and threads >= 1")
+    if out.numel() == 0:
+        return out
+    ints = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if kv_len is None else kv_len.data_ptr(),
+            b, hq, hkv, sq, skv, d, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            int(bool(causal)), int(q_offset), int(window), int(block_k), int(threads))
+    _call("attention_f32", ints, float(scale))
+    return out
+
+
+# -- the W8A8 glue (csrc/rows_kernel.h) ----------------------------------------------------------------------
+
+ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the row kernels read and write besides int8/int32
+ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "relu": 2}
+
+
+def _rows_ready(*tensors) -> bool:
+    """Row kernels read rows with a unit stride (and whole [M, K] blocks where they take no row stride)."""
+    return all(t.device.type == "cpu" and (t.numel() == 0 or t.stride(-1) == 1) for t in tensors)
+
+
+def rows_reason(x: torch.Tensor) -> Optional[str]:
+    """None when the row kernels take an activation like x, else why not."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    if x.dtype not in ROW_DTYPES:
+        return f"the native row kernels read fp32 or bf16, not {x.dtype}"
+    if x.device.type != "cpu":
+        return "tensors are not on the CPU"
+    return None
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of a [M, K] fp32/bf16 matrix (rows may be strided): as quantize_per_token."""
+    _check(rows_reason(x2d) is None and x2d.dim() == 2 and _rows_ready(x2d), f"quantize_rows: {rows_reason(x2d)}")
+    m, k = x2d.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    scale = torch.empty(m, dtype=torch.float32)
+    if m and k:
+        _call("quantize_rows", (x2d.data_ptr(), int(x2d.dtype == torch.bfloat16), x2d.stride(0), q.data_ptr(),
+                                  scale.data_ptr(), m, k, _threads()))
+    elif m:
+        scale.fill_(1e-8 / 127.0)
+    return q, scale
+
+
+def norm_quant(x2d, weight, bias, residual2d, *, layer: bool, eps: float):
+    """(x + residual ->) RMSNorm or LayerNorm -> int8 per row: (q [M, K], scale [M], x + residual or None).
+
+    x2d, residual2d: contiguous [M, K] of one dtype (fp32/bf16); weight (and LayerNorm's bias) [K], fp32 or x's
+    dtype (LayerNorm: x's dtype)."""
+    _check(rows_reason(x2d) is None, f"norm_quant: {rows_reason(x2d)}")
+    m, k = x2d.shape
+    _check(x2d.is_contiguous() and weight.is_contiguous() and tuple(weight.shape) == (k,), "norm_quant: shapes")
+    _check(weight.dtype in (torch.float32, x2d.dtype), f"norm_quant: weight dtype {weight.dtype}")
+    if layer:
+        _check(bias is not None and bias.is_contiguous() and tuple(bias.shape) == (k,) and bias.dtype == weight.dtype
+               and weight.dtype == x2d.dtype, "norm_quant: LayerNorm needs weight and bias of x's dtype")
+    if residual2d is not None:
+        _check(residual2d.shape == x2d.shape and residual2d.dtype == x2d.dtype and residual2d.is_contiguous(),
+               "norm_quant: the residual must match x")
+    q = torch.empty(m, k, dtype=torch.int8)
+    scale = torch.empty(m, dtype=torch.float32)
+    summed = torch.empty_like(x2d) if residual2d is not None else None
+    if m and k:
+        x_bf16 = x2d.dtype == torch.bfloat16
+        w_bf16 = weight.dtype == torch.bfloat16
+        _call("norm_quant", (x2d.data_ptr(), 0 if residual2d is None else residual2d.data_ptr(),
+                               0 if summed is None else summed.data_ptr(), weight.data_ptr(),
+                               bias.data_ptr() if layer else 0, q.data_ptr(), scale.data_ptr(), m, k, int(x_bf16),
+                               int(w_bf16), int(layer), int(x_bf16 and w_bf16), _threads()), float(eps))
+    return q, scale, summed
+
+
+def dequant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """acc [M, N] int32 -> acc * w_scale[None, :] * x_scale[:, None] (+ bias) as out_dtype (fp32/bf16)."""
+    _check(unavailable_reason() is None, f"dequant: {unavailable_reason()}")
+    m, n = acc.shape
+    _check(acc.dtype == torch.int32 and _rows_ready(acc), "dequant: acc must be int32 rows")
+    _check(out_dtype in ROW_DTYPES, f"dequant: out dtype {out_dtype}")
+    x_scale = x_scale.reshape(-1).float().contiguous()
+    w_scale = w_scale.float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    _check(x_scale.shape == (m,) and w_scale.shape == (n,) and (bias is None or bias.shape == (n,)), "dequant: scales")
+    out = torch.empty(m, n, dtype=out_dtype)
+    if m and n:
+        _call("dequant", (acc.data_ptr(), acc.stride(0), x_scale.data_ptr(), w_scale.data_ptr(),
+                            0 if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n,
+                            int(out_dtype == torch.bfloat16), _threads()))
+    return out
+
+
+def gated_quant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """acc [M, 2I] int32 (gate | up) -> act(dequant(gate)) * dequant(up) -> int8 per row: (q [M, I], scale [M])."""
+    _check(unavailable_reason() is None, f"gated_quant: {unavailable_reason()}")
+    _check(act in ACTIVATION_CODES, f"gated_quant: activation {act!r}")
+    m, two_i = acc.shape
+    _check(acc.dtype == torch.int32 and acc.is_contiguous() and two_i % 2 == 0, "gated_quant: acc must be int32 [M, 2I]")
+    x_scale = x_scale.reshape(-1).float().contiguous()
+    w_scale = w_scale.float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    _check(x_scale.shape == (m,) and w_scale.shape == (two_i,) and (bias is None or bias.shape == (two_i,)),
+           "gated_quant: scales")
+    inter = two_i // 2
+    q = torch.empty(m, inter, dtype=torch.int8)
+    scale = torch.empty(m, dtype=torch.float32)
+    if m and inter:
+        _call("gated_quant", (acc.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(),
+                                0 if bias is None else bias.data_ptr(), q.data_ptr(), scale.data_ptr(), m, inter,
+                                ACTIVATION_CODES[act], _threads()))
+    return q, scale

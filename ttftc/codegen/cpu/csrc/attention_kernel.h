@@ -1,0 +1,201 @@
+// Exact attention forward in fp32 on CPU: FlashAttention-2's online softmax, vectorised along the queries.
+//
+// Included once per instruction set by native.cpp, inside a target region, with
+//   TTFTC_NS  the namespace of this instantiation,
+//   TTFTC_VW  floats per vector register (16 for AVX-512, 8 for AVX2, 4 for SSE/NEON),
+//   TTFTC_R   kv rows (score tile) and value columns (output tile) per register tile.
+//
+// Why queries along the vector lanes: with scores stored transposed, S^T[j][i] for key j and query i, every
+// per-query quantity of the softmax (running max, sum, rescale factor) is one vector, so the row reductions of
+// flash attention become element-wise max/add across tile rows, and K and V are read in their natural [S, D]
+// layout as broadcast scalars. Nothing needs packing but the query block itself (D x BQ, once per work item).
+// A register tile is TTFTC_R rows x C vectors (C <= 3) of accumulators: 8 x 3 = 24 of AVX-512's 32 registers.
+//
+// Work item: one (batch, head, block of BQ = C * VW queries). Its keys [lo, hi) are the ones any of its queries
+// can see (causal diagonal at q_offset, sliding window, per-sequence kv_len); they are visited in blocks of
+// block_k rows, and only blocks that cross a boundary are masked element by element.
+
+namespace TTFTC_NS {
+
+constexpr int VW = TTFTC_VW;
+constexpr int R = TTFTC_R;
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
+
+// x - 0 (not 0 + x) folds to x exactly, so this compiles to one broadcast and no add.
+static inline vf splat(float x) { return x - vf{}; }
+static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// 2^x for x in [-126, 126] (clamped outside), to about 1 ulp: x = n + f with n an integer and |f| <= 1/2,
+// 2^f from its degree-7 Taylor polynomial (truncation error below 6e-9 relative), 2^n from the exponent bits.
+static inline vf exp2_clamped(vf x) {
+  vf xc = vmax(x, splat(-126.0f));
+  xc = xc < 126.0f ? xc : splat(126.0f);
+  vf n = (xc + 12582912.0f) - 12582912.0f;  // round to nearest integer (|x| < 2^22), no libm call
+  vf f = xc - n;
+  vf p = splat(1.5252734e-05f);
+  p = p * f + 1.5403530e-04f;
+  p = p * f + 1.3333558e-03f;
+  p = p * f + 9.6181291e-03f;
+  p = p * f + 5.5504109e-02f;
+  p = p * f + 2.4022651e-01f;
+  p = p * f + 6.9314718e-01f;
+  p = p * f + 1.0f;
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * (vf)e;
+}
+
+// 2^x for x <= 0 (every softmax argument is a difference from a running maximum); below -126 the result is
+// flushed to 0, which also maps -inf (a masked score) to exactly 0.
+static inline vf exp2_nonpositive(vf x) { return x < -126.0f ? vf{} : exp2_clamped(x); }
+
+// st[r][c] = sum_d qt[d][c] * krow[r][d]: a tile of R keys x C query vectors.
+template <int C>
+static inline void score_tile(const float* __restrict qt, int64_t d_len, const float* const* krow,
+                              float* __restrict st) {
+  constexpr int BQ = C * VW;
+  vf acc[R][C] = {};
+  for (int64_t d = 0; d < d_len; ++d) {
+    vf qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = *(const vf*)(qt + d * BQ + c * VW);
+    for (int r = 0; r < R; ++r) {
+      vf kb = splat(krow[r][d]);
+      for (int c = 0; c < C; ++c) acc[r][c] += kb * qv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) *(vf*)(st + r * BQ + c * VW) = acc[r][c];
+}
+
+// ot[d0 + r][c] = ot[d0 + r][c] * alpha[c] + sum_j pt[j][c] * v[j][d0 + r]: R output columns x C query vectors.
+template <int C>
+static inline void value_tile(const float* __restrict pt, int64_t rows, const float* vbase, int64_t v_stride,
+                              int64_t d0, const vf* alpha, float* __restrict ot) {
+  constexpr int BQ = C * VW;
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = *(const vf*)(ot + (d0 + r) * BQ + c * VW) * alpha[c];
+  const float* vrow = vbase + d0;
+  for (int64_t j = 0; j < rows; ++j, vrow += v_stride) {
+    vf pv[C];
+    for (int c = 0; c < C; ++c) pv[c] = *(const vf*)(pt + j * BQ + c * VW);
+    for (int r = 0; r < R; ++r) {
+      vf vb = splat(vrow[r]);
+      for (int c = 0; c < C; ++c) acc[r][c] += vb * pv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) *(vf*)(ot + (d0 + r) * BQ + c * VW) = acc[r][c];
+}
+
+template <int C>
+static void attend_block(const AttentionArgs& a, Scratch& s, int64_t b, int64_t h, int64_t i0) {
+  constexpr int BQ = C * VW;
+  const int64_t D = a.d, DV = a.dv;
+  const int64_t kvh = h / (a.hq / a.hkv);
+  const int64_t n_q = std::min<int64_t>(BQ, a.sq - i0);
+  const int64_t kv_len = a.kv_len ? std::max<int64_t>(0, std::min<int64_t>(a.kv_len[b], a.skv)) : a.skv;
+  const float* q = a.q + b * a.q_sb + h * a.q_sh;
+  const float* k = a.k + b * a.k_sb + kvh * a.k_sh;
+  const float* v = a.v + b * a.v_sb + kvh * a.v_sh;
+  float* o = a.o + b * a.o_sb + h * a.o_sh;
+
+  // Keys any query of the block may see: [lo, hi).
+  const int64_t first_pos = a.q_offset + i0, last_pos = a.q_offset + i0 + n_q - 1;
+  int64_t hi = a.causal ? std::min(kv_len, last_pos + 1) : kv_len;
+  int64_t lo = (a.causal && a.window > 0) ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+
+  // The query block, transposed and pre-scaled by scale * log2(e) so the softmax runs in base 2. Padding
+  // queries (past sq) are zeros: finite scores, never stored.
+  const float qscale = a.scale * 1.4426950408889634f;
+  for (int64_t d = 0; d < D; ++d) {
+    float* dst = s.qt + d * BQ;
+    for (int64_t i = 0; i < BQ; ++i) dst[i] = i < n_q ? q[(i0 + i) * a.q_ss + d] * qscale : 0.0f;
+  }
+  for (int64_t x = 0; x < DV * BQ; ++x) s.ot[x] = 0.0f;
+  vf m[C], l[C], qpos[C];
+  for (int c = 0; c < C; ++c) {
+    m[c] = splat(-INFINITY);
+    l[c] = vf{};
+    for (int lane = 0; lane < VW; ++lane) qpos[c][lane] = (float)(a.q_offset + i0 + c * VW + lane);
+  }
+  const float* krow[R];
+  for (int64_t j0 = lo; j0 < hi; j0 += a.block_k) {
+    const int64_t rows = std::min<int64_t>(a.block_k, hi - j0);
+    const int64_t tiles = (rows + R - 1) / R;
+    const float* kbase = k + j0 * a.k_ss;
+    const float* vbase = v + j0 * a.v_ss;
+    for (int64_t t = 0; t < tiles; ++t) {
+      for (int r = 0; r < R; ++r)  // rows past the block repeat its last key; they are masked below
+        krow[r] = kbase + std::min<int64_t>(t * R + r, rows - 1) * a.k_ss;
+      score_tile<C>(s.qt, D, krow, s.st + t * R * BQ);
+    }
+    const int64_t padded = tiles * R;
+    // Mask where the block crosses a boundary: padding rows, the causal diagonal, the window's lower edge.
+    const bool crosses = padded != rows || (a.causal && j0 + rows - 1 > first_pos) ||
+                         (a.causal && a.window > 0 && j0 <= last_pos - a.window);
+    if (crosses) {
+      for (int64_t r = 0; r < padded; ++r) {
+        const int64_t j = j0 + r;
+        const vf jv = splat((float)j);
+        for (int c = 0; c < C; ++c) {
+          vf* sv = (vf*)(s.st + r * BQ + c * VW);
+          if (r >= rows) {
+            *sv = splat(-INFINITY);
+            continue;
+          }
+          if (a.causal) {
+            *sv = jv <= qpos[c] ? *sv : splat(-INFINITY);
+            if (a.window > 0) *sv = jv > qpos[c] - (float)a.window ? *sv : splat(-INFINITY);
+          }
+        }
+      }
+    }
+    vf alpha[C];
+    for (int c = 0; c < C; ++c) {
+      vf mb = m[c];
+      for (int64_t r = 0; r < padded; ++r) mb = vmax(mb, *(const vf*)(s.st + r * BQ + c * VW));
+      // A query that has seen no key yet keeps a -inf maximum; subtract 0 instead so exp2 gives 0, not NaN.
+      const vf shift = mb == splat(-INFINITY) ? vf{} : mb;
+      alpha[c] = exp2_nonpositive(m[c] - shift);
+      vf sum = vf{};
+      for (int64_t r = 0; r < padded; ++r) {
+        vf* sv = (vf*)(s.st + r * BQ + c * VW);
+        *sv = exp2_nonpositive(*sv - shift);
+        sum += *sv;
+      }
+      l[c] = l[c] * alpha[c] + sum;
+      m[c] = mb;
+    }
+    for (int64_t d0 = 0; d0 < DV; d0 += R) value_tile<C>(s.st, rows, vbase, a.v_ss, d0, alpha, s.ot);
+  }
+  // Normalise and store; a query that saw no key gets zeros (l == 0).
+  float inv[BQ];
+  for (int c = 0; c < C; ++c) {
+    const vf safe = l[c] > vf{} ? l[c] : splat(1.0f);
+    const vf r = l[c] > vf{} ? splat(1.0f) / safe : vf{};
+    for (int lane = 0; lane < VW; ++lane) inv[c * VW + lane] = r[lane];
+  }
+  for (int64_t i = 0; i < n_q; ++i) {
+    float* dst = o + (i0 + i) * a.o_ss;
+    for (int64_t d = 0; d < DV; ++d) dst[d] = s.ot[d * BQ + i] * inv[i];
+  }
+}
+
+static void attention(const AttentionArgs& a, int threads) {
+  const int C = a.sq > 2 * VW ? 3 : a.sq > VW ? 2 : 1;
+  const int64_t bq = C * VW;
+  const int64_t q_blocks = (a.sq + bq - 1) / bq;
+  const int64_t heads = a.batch * a.hq;
+  // Later query blocks see more keys under a causal mask: hand them out first, so the cheap ones fill the end.
+  parallel_for<Scratch>(q_blocks * heads, threads, [&](Scratch& s) { s.reserve(a.d, a.dv, a.block_k, bq, R); },
+               [&](Scratch& s, int64_t item) {
+                 const int64_t qb = q_blocks - 1 - item / heads, bh = item % heads;
+                 const int64_t b = bh / a.hq, h = bh % a.hq;
+                 if (C == 3) attend_block<3>(a, s, b, h, qb * bq);
+                 else if (C == 2) attend_block<2>(a, s, b, h, qb * bq);
+                 else attend_block<1>(a, s, b, h, qb * bq);
+               });
+}
+
+}  // namespace TTFTC_NS

@@ -1,0 +1,391 @@
+// ttftc's native CPU kernels, built at install time as the extension module ttftc.codegen.cpu._native_kernels
+// (setup.py; optional: without a C++ compiler the lowerings that use it report themselves incapable).
+//
+// One source, several instruction sets: each kernel header is compiled once per ISA inside a target region
+// (AVX-512, AVX2+FMA, and the baseline), and the ISA is chosen at run time from the CPU this process runs on.
+// So a build never depends on the build machine's CPU (no -march=native): the same .so is right on an AMD EPYC
+// with AVX-512 and on an older Xeon without it.
+//
+// The Python side (ttftc/codegen/cpu/_native.py) validates every tensor (device, dtype, shapes, strides)
+// before it hands raw pointers here; this file trusts what it is given.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct AttentionArgs {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* o;
+  const int64_t* kv_len;  // per batch row, or null
+  int64_t batch, hq, hkv, sq, skv, d, dv;
+  int64_t q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss;  // strides in elements
+  float scale;
+  bool causal;
+  int64_t q_offset, window, block_k;
+};
+
+struct QuantArgs {
+  const void* x;  // fp32 or bf16 (x_bf16)
+  int64_t x_rs;   // row stride in elements
+  int8_t* q;
+  float* scale;
+  int64_t m, k;
+  bool x_bf16;
+};
+
+struct NormQuantArgs {
+  const void* x;
+  const void* residual;  // or null
+  void* residual_out;    // x + residual (x's dtype), when residual is given
+  const void* weight;
+  const void* bias;  // LayerNorm only
+  int8_t* q;
+  float* scale;
+  int64_t m, k;
+  bool x_bf16, w_bf16, layer, round_product;  // round_product: the RMSNorm weight product is rounded to x's dtype
+  float eps;
+};
+
+struct DequantArgs {
+  const int32_t* acc;
+  int64_t acc_rs;
+  const float* x_scale;
+  const float* w_scale;
+  const float* bias;  // or null
+  void* out;
+  int64_t out_rs, m, n;
+  bool out_bf16;
+};
+
+struct GatedQuantArgs {
+  const int32_t* acc;  // [M, 2 * inter]: gate | up
+  const float* x_scale;
+  const float* w_scale;  // [2 * inter]
+  const float* bias;     // [2 * inter] or null
+  int8_t* q;             // [M, inter]
+  float* scale;
+  int64_t m, inter;
+  int act;  // 0 silu, 1 gelu (tanh approximation), 2 relu
+};
+
+// Per-thread working memory of one attention call, 64-byte aligned for vector loads.
+struct Scratch {
+  float* qt = nullptr;
+  float* st = nullptr;
+  float* ot = nullptr;
+  void* base = nullptr;
+
+  void reserve(int64_t d, int64_t dv, int64_t block_k, int64_t bq, int64_t r) {
+    const int64_t rows = (block_k + r - 1) / r * r;
+    const size_t sizes[3] = {size_t(d * bq), size_t(rows * bq), size_t(dv * bq)};
+    float** parts[3] = {&qt, &st, &ot};
+    size_t bytes = 0;
+    for (size_t n : sizes) bytes += (n * sizeof(float) + 63) / 64 * 64;
+    base = std::aligned_alloc(64, bytes);
+    char* p = static_cast<char*>(base);
+    for (int i = 0; i < 3; ++i) {
+      *parts[i] = reinterpret_cast<float*>(p);
+      p += (sizes[i] * sizeof(float) + 63) / 64 * 64;
+    }
+  }
+  ~Scratch() { std::free(base); }
+};
+
+// The OpenMP runtime torch already loaded, reached through its GOMP_parallel entry point (libgomp's, which Intel's
+// runtime also exports). Why not threads of our own: torch's OpenMP workers spin for a while after each parallel
+// op, so freshly started threads would share their cores with spinning ones (measured: no gain at all from a
+// kernel 1.3-1.9x faster in isolation). On torch's own team the cores are handed over, as between two ATen ops.
+using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+GompParallel gomp_parallel = nullptr;
+
+struct TeamTask {
+  void (*run)(void*);
+  void* context;
+};
+
+void run_team_task(void* task) {
+  auto* t = static_cast<TeamTask*>(task);
+  t->run(t->context);
+}
+
+// Runs body(state, item) for item in [0, n) on `threads` threads (the caller is one of them), each with its own
+// State, handing items out one at a time from a shared counter: work items differ in cost (causal masks), so
+// static splits idle.
+template <class State, class Init, class Body>
+void parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    State s;
+    init(s);
+    for (int64_t item = next.fetch_add(1); item < n; item = next.fetch_add(1)) body(s, item);
+  };
+  threads = int(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+  if (threads == 1) {
+    worker();
+    return;
+  }
+  if (gomp_parallel) {
+    TeamTask task{[](void* w) { (*static_cast<decltype(worker)*>(w))(); }, &worker};
+    gomp_parallel(run_team_task, &task, unsigned(threads), 0);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TTFTC_X86 1
+#endif
+
+#ifdef TTFTC_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
+#endif
+#define TTFTC_NS isa_avx512
+#define TTFTC_VW 16
+#define TTFTC_R 8
+#include "attention_kernel.h"
+#include "rows_kernel.h"
+#undef TTFTC_NS
+#undef TTFTC_VW
+#undef TTFTC_R
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+// 16 ymm registers: a 4 x 3 accumulator tile, three query vectors and a broadcast.
+#define TTFTC_NS isa_avx2
+#define TTFTC_VW 8
+#define TTFTC_R 4
+#include "attention_kernel.h"
+#include "rows_kernel.h"
+#undef TTFTC_NS
+#undef TTFTC_VW
+#undef TTFTC_R
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // TTFTC_X86
+
+// The baseline: SSE2 on x86-64, NEON on AArch64 (both have 128-bit vectors in their base ISA).
+#define TTFTC_NS isa_base
+#define TTFTC_VW 4
+#define TTFTC_R 4
+#include "attention_kernel.h"
+#include "rows_kernel.h"
+#undef TTFTC_NS
+#undef TTFTC_VW
+#undef TTFTC_R
+
+namespace {
+
+enum class Isa { base, avx2, avx512 };
+
+Isa detect_isa() {
+#ifdef TTFTC_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+#endif
+  return Isa::base;
+}
+
+const Isa kBestIsa = detect_isa();
+Isa kIsa = kBestIsa;  // set_isa lowers it, so tests reach every version on one machine
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "base";
+  }
+}
+
+// Each kernel, indexed by Isa: the base version stands in for the x86 ones elsewhere.
+#ifdef TTFTC_X86
+#define TTFTC_BY_ISA(fn) {isa_base::fn, isa_avx2::fn, isa_avx512::fn}
+#else
+#define TTFTC_BY_ISA(fn) {isa_base::fn, isa_base::fn, isa_base::fn}
+#endif
+
+template <class Args>
+using Kernel = void (*)(const Args&, int);
+
+// Reads `count` Python ints from a tuple; false with a Python error set when that fails.
+bool parse_ints(PyObject* args, const char* name, Py_ssize_t count, int64_t* out, double* real) {
+  PyObject* ints;
+  int ok = real ? PyArg_ParseTuple(args, "O!d", &PyTuple_Type, &ints, real) : PyArg_ParseTuple(args, "O!", &PyTuple_Type, &ints);
+  if (!ok) return false;
+  if (PyTuple_GET_SIZE(ints) != count) {
+    PyErr_Format(PyExc_ValueError, "%s expects %zd integers, got %zd", name, count, PyTuple_GET_SIZE(ints));
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(ints, i));
+    if (out[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+template <class Args>
+PyObject* run(const Kernel<Args> (&by_isa)[3], const Args& a, int64_t threads) {
+  Py_BEGIN_ALLOW_THREADS
+  by_isa[int(kIsa)](a, int(threads));
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+template <class T>
+T* ptr(int64_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// attention_f32(ints, scale): ints = (q, k, v, o, kv_len or 0 as addresses; batch, hq, hkv, sq, skv, d, dv;
+// q strides b/h/s, k strides, v strides, o strides; causal, q_offset, window, block_k, threads).
+PyObject* attention_f32(PyObject*, PyObject* args) {
+  int64_t x[29];
+  double scale;
+  if (!parse_ints(args, "attention_f32", 29, x, &scale)) return nullptr;
+  AttentionArgs a;
+  a.q = ptr<const float>(x[0]);
+  a.k = ptr<const float>(x[1]);
+  a.v = ptr<const float>(x[2]);
+  a.o = ptr<float>(x[3]);
+  a.kv_len = ptr<const int64_t>(x[4]);
+  a.batch = x[5]; a.hq = x[6]; a.hkv = x[7]; a.sq = x[8]; a.skv = x[9]; a.d = x[10]; a.dv = x[11];
+  a.q_sb = x[12]; a.q_sh = x[13]; a.q_ss = x[14];
+  a.k_sb = x[15]; a.k_sh = x[16]; a.k_ss = x[17];
+  a.v_sb = x[18]; a.v_sh = x[19]; a.v_ss = x[20];
+  a.o_sb = x[21]; a.o_sh = x[22]; a.o_ss = x[23];
+  a.causal = x[24] != 0; a.q_offset = x[25]; a.window = x[26]; a.block_k = x[27];
+  a.scale = float(scale);
+  static const Kernel<AttentionArgs> kernels[3] = TTFTC_BY_ISA(attention);
+  return run(kernels, a, x[28]);
+}
+
+// quantize_rows(ints) = (x, x_bf16, x_row_stride, q, scale, m, k, threads)
+PyObject* quantize_rows(PyObject*, PyObject* args) {
+  int64_t x[8];
+  if (!parse_ints(args, "quantize_rows", 8, x, nullptr)) return nullptr;
+  QuantArgs a{ptr<const void>(x[0]), x[2], ptr<int8_t>(x[3]), ptr<float>(x[4]), x[5], x[6], x[1] != 0};
+  static const Kernel<QuantArgs> kernels[3] = TTFTC_BY_ISA(quantize_rows_any);
+  return run(kernels, a, x[7]);
+}
+
+// norm_quant(ints, eps): ints = (x, residual, residual_out, weight, bias, q, scale, m, k, x_bf16, w_bf16,
+// layer, round_product, threads); absent pointers are 0.
+PyObject* norm_quant(PyObject*, PyObject* args) {
+  int64_t x[14];
+  double eps;
+  if (!parse_ints(args, "norm_quant", 14, x, &eps)) return nullptr;
+  NormQuantArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<void>(x[2]), ptr<const void>(x[3]),
+                  ptr<const void>(x[4]), ptr<int8_t>(x[5]), ptr<float>(x[6]), x[7], x[8],
+                  x[9] != 0, x[10] != 0, x[11] != 0, x[12] != 0, float(eps)};
+  static const Kernel<NormQuantArgs> kernels[3] = TTFTC_BY_ISA(norm_quant_any);
+  return run(kernels, a, x[13]);
+}
+
+// dequant(ints) = (acc, acc_row_stride, x_scale, w_scale, bias or 0, out, out_row_stride, m, n, out_bf16, threads)
+PyObject* dequant(PyObject*, PyObject* args) {
+  int64_t x[11];
+  if (!parse_ints(args, "dequant", 11, x, nullptr)) return nullptr;
+  DequantArgs a{ptr<const int32_t>(x[0]), x[1], ptr<const float>(x[2]), ptr<const float>(x[3]),
+                ptr<const float>(x[4]), ptr<void>(x[5]), x[6], x[7], x[8], x[9] != 0};
+  static const Kernel<DequantArgs> kernels[3] = TTFTC_BY_ISA(dequant_any);
+  return run(kernels, a, x[10]);
+}
+
+// gated_quant(ints) = (acc, x_scale, w_scale, bias or 0, q, scale, m, inter, act, threads)
+PyObject* gated_quant(PyObject*, PyObject* args) {
+  int64_t x[10];
+  if (!parse_ints(args, "gated_quant", 10, x, nullptr)) return nullptr;
+  GatedQuantArgs a{ptr<const int32_t>(x[0]), ptr<const float>(x[1]), ptr<const float>(x[2]), ptr<const float>(x[3]),
+                   ptr<int8_t>(x[4]), ptr<float>(x[5]), x[6], x[7], int(x[8])};
+  static const Kernel<GatedQuantArgs> kernels[3] = TTFTC_BY_ISA(gated_quant_any);
+  return run(kernels, a, x[9]);
+}
+
+PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(kIsa)); }
+
+// use_openmp(path) -> bool: run parallel kernels on the OpenMP runtime at `path`, which must already be loaded in
+// this process (RTLD_NOLOAD: nothing new is loaded); False, and our own threads, when it is not.
+PyObject* use_openmp(PyObject*, PyObject* args) {
+  const char* path;
+  if (!PyArg_ParseTuple(args, "s", &path)) return nullptr;
+  void* handle = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+  void* entry = handle ? dlsym(handle, "GOMP_parallel") : nullptr;
+  gomp_parallel = reinterpret_cast<GompParallel>(entry);
+  return PyBool_FromLong(entry != nullptr);
+}
+
+// set_isa(name) -> previous name: run the kernels with another instruction set this CPU has (for tests).
+PyObject* set_isa(PyObject*, PyObject* args) {
+  const char* name;
+  if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
+  for (Isa isa : {Isa::base, Isa::avx2, Isa::avx512}) {
+    if (std::strcmp(name, isa_name(isa)) != 0) continue;
+    if (int(isa) > int(kBestIsa)) {
+      PyErr_Format(PyExc_ValueError, "this CPU does not run %s (best: %s)", name, isa_name(kBestIsa));
+      return nullptr;
+    }
+    const char* previous = isa_name(kIsa);
+    kIsa = isa;
+    return PyUnicode_FromString(previous);
+  }
+  PyErr_Format(PyExc_ValueError, "unknown instruction set %s; valid: base, avx2, avx512", name);
+  return nullptr;
+}
+
+#ifndef TTFTC_SOURCE_DIGEST
+#define TTFTC_SOURCE_DIGEST "unknown"
+#endif
+PyObject* source_digest(PyObject*, PyObject*) { return PyUnicode_FromString(TTFTC_SOURCE_DIGEST); }
+
+PyMethodDef kMethods[] = {
+    {"attention_f32", attention_f32, METH_VARARGS, "Exact fp32 attention forward (see attention_kernel.h)."},
+    {"quantize_rows", quantize_rows, METH_VARARGS, "Symmetric int8 per row (see rows_kernel.h)."},
+    {"norm_quant", norm_quant, METH_VARARGS, "Residual add, RMSNorm/LayerNorm, int8 per row (see rows_kernel.h)."},
+    {"dequant", dequant, METH_VARARGS, "int32 accumulator to float with per-row and per-column scales."},
+    {"gated_quant", gated_quant, METH_VARARGS, "Dequant, act(gate) * up, int8 per row (see rows_kernel.h)."},
+    {"isa", isa, METH_NOARGS, "The instruction set the kernels run with on this CPU."},
+    {"use_openmp", use_openmp, METH_VARARGS, "Run parallel kernels on this already-loaded OpenMP runtime."},
+    {"set_isa", set_isa, METH_VARARGS, "Run the kernels with another instruction set this CPU has; returns the previous."},
+    {"source_digest", source_digest, METH_NOARGS, "sha256 of the sources this module was built from."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_kernels", "ttftc's native CPU kernels.", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native_kernels(void) { return PyModule_Create(&kModule); }
