@@ -23,3 +23,39 @@ def native_isa(request):
     previous = _native.set_isa(request.param)
     yield request.param
     _native.set_isa(previous)
+
+
+class NativeOff:
+    """What a CPU lowering sees of ttftc.codegen.cpu._native where its kernels are not built."""
+
+    ROW_DTYPES = _native.ROW_DTYPES
+    ACTIVATION_CODES = _native.ACTIVATION_CODES
+
+    @staticmethod
+    def unavailable_reason():
+        return "switched off by the test"
+
+    @staticmethod
+    def rows_reason(x):
+        return "switched off by the test"
+
+    @staticmethod
+    def attention_reason(q, k, v):
+        return "switched off by the test"
+
+
+def switch_native(monkeypatch, mode: str, modules, kernels) -> list:
+    """mode "native": the lowerings in `modules` keep the native kernels, and every call of one of `kernels` is
+    recorded in the returned list; mode "aten": those modules see no native kernels. Where the kernels are not
+    built, "native" skips (their absence fails test_attention_native_cpu.py on its own)."""
+    if mode == "aten":
+        for module in modules:
+            monkeypatch.setattr(module, "_native", NativeOff)
+        return []
+    if _native.unavailable_reason() is not None:
+        pytest.skip(_native.unavailable_reason())
+    calls: list = []
+    for name in kernels:
+        real = getattr(_native, name)
+        monkeypatch.setattr(_native, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    return calls

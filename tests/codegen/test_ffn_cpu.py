@@ -1,4 +1,5 @@
-"""CPU lowerings of ttftc.gated_ffn and ttftc.linear_act against the op references."""
+"""CPU lowerings of ttftc.gated_ffn and ttftc.linear_act against the op references, with the gated FFN's
+act(gate)·up on the native row kernel and on ATen."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 import ttftc
 from tests.helpers import TOLERANCES, assert_logits_match, needs_transformers
 from ttftc import zoo
+from tests.codegen.conftest import switch_native
+from ttftc.codegen.cpu import ffn as cpu_ffn
 from ttftc.codegen.cpu.ffn import gated_ffn_cpu, linear_act_cpu
 from ttftc.codegen.lowering import LoweringContext, lower_graph, lowerings_for
 from ttftc.ops.ffn import ACTIVATIONS
@@ -32,12 +35,16 @@ def _weights(dtype, hidden=24, inter=40, bias=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_gated_ffn_cpu_matches_reference(dtype, act, bias):
+@pytest.mark.parametrize("glue", ["native", "aten"])
+def test_gated_ffn_cpu_matches_reference(monkeypatch, dtype, act, bias, glue):
+    calls = switch_native(monkeypatch, glue, [cpu_ffn], ("gated_act",))
     x, w_gu, w_d, b_gu, b_d = _weights(dtype, bias=bias)
     expected = gated_ffn(x, w_gu, w_d, b_gu, b_d, act=act)
     actual = gated_ffn_cpu(x, w_gu, w_d, b_gu, b_d, act=act)
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    # the native kernel takes every activation but exact gelu (erf), which stays on ATen
+    assert calls == (["gated_act"] if glue == "native" and act != "gelu" else [])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

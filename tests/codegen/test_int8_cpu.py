@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import ttftc.ops  # noqa: F401
-from ttftc.codegen.cpu import _native
+from tests.codegen.conftest import switch_native
 from ttftc.codegen.cpu import int8_linear as cpu
+from ttftc.codegen.cpu import norm as cpu_norm
 from ttftc.codegen.lowering import LoweringContext
 from ttftc.ops.int8_linear import int8_linear, quantize_per_token
 from ttftc.ops.quant import gated_ffn_int8, norm_quant
@@ -16,34 +17,12 @@ from ttftc.ops.quant import gated_ffn_int8, norm_quant
 CPU = LoweringContext(device_type="cpu", forced_provider=None)
 
 
-class _NativeOff:
-    """The lowerings' view of ttftc.codegen.cpu._native when its kernels are not built."""
-
-    ROW_DTYPES = _native.ROW_DTYPES
-    ACTIVATION_CODES = _native.ACTIVATION_CODES
-
-    @staticmethod
-    def unavailable_reason():
-        return "switched off by the test"
-
-    @staticmethod
-    def rows_reason(x):
-        return "switched off by the test"
-
-
 @pytest.fixture(autouse=True, params=["native", "aten"])
 def glue(request, monkeypatch):
-    if request.param == "native":
-        if _native.unavailable_reason() is not None:
-            pytest.skip(_native.unavailable_reason())  # its absence fails test_attention_native_cpu.py
-        calls = []
-        for name in ("quantize_rows", "norm_quant", "dequant", "gated_quant"):
-            real = getattr(_native, name)
-            monkeypatch.setattr(_native, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-        yield calls
-    else:
-        monkeypatch.setattr(cpu, "_native", _NativeOff)
-        yield None
+    """The glue on the native row kernels (the calls are recorded) and on ATen; None for ATen."""
+    calls = switch_native(monkeypatch, request.param, [cpu, cpu_norm],
+                          ("quantize_rows", "norm_quant", "dequant", "gated_quant"))
+    return calls if request.param == "native" else None
 
 
 def _weights(n, k, seed=0):

@@ -1,11 +1,14 @@
-"""CPU lowerings of ttftc.norm_linear and ttftc.norm against the op references."""
+"""CPU lowerings of ttftc.norm_linear and ttftc.norm against the op references, with the residual add and norm on
+the native row kernel and on ATen."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.codegen.conftest import switch_native
 from tests.helpers import TOLERANCES
+from ttftc.codegen.cpu import norm as cpu_norm
 from ttftc.codegen.cpu.norm import norm_cpu
 from ttftc.codegen.cpu.norm_linear import norm_linear_cpu
 from ttftc.codegen.lowering import LoweringContext, lowerings_for
@@ -13,6 +16,13 @@ from ttftc.codegen.lowering import LoweringContext, lowerings_for
 norm, norm_linear = torch.ops.ttftc.norm, torch.ops.ttftc.norm_linear
 
 CPU = LoweringContext("cpu", None)
+
+
+@pytest.fixture(autouse=True, params=["native", "aten"])
+def glue(request, monkeypatch):
+    """Every test with the norm on the native row kernel (its calls recorded) and on ATen (None)."""
+    calls = switch_native(monkeypatch, request.param, [cpu_norm], ("norm",))
+    return calls if request.param == "native" else None
 
 
 def _inputs(dtype, kind, hidden=48, out=40, residual=True, bias=False):
@@ -30,7 +40,7 @@ def _inputs(dtype, kind, hidden=48, out=40, residual=True, bias=False):
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_norm_linear_cpu_matches_reference(dtype, kind, residual, bias):
+def test_norm_linear_cpu_matches_reference(glue, dtype, kind, residual, bias):
     x, res, norm_w, norm_b, w, b = _inputs(dtype, kind, residual=residual, bias=bias)
     expected, expected_res = norm_linear(x, norm_w, norm_b, w, b, res, kind=kind, eps=1e-6)
     actual, actual_res = norm_linear_cpu(x, norm_w, norm_b, w, b, res, kind=kind, eps=1e-6)
@@ -39,6 +49,7 @@ def test_norm_linear_cpu_matches_reference(dtype, kind, residual, bias):
     assert actual_res.shape == expected_res.shape
     if residual:
         torch.testing.assert_close(actual_res, expected_res, atol=0, rtol=0)
+    assert glue is None or glue == ["norm"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,6 +8,7 @@ import torch
 
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu.ffn import activation_
+from ttftc.codegen.cpu.norm import normalize_cpu
 from ttftc.ops.int8_linear import quantize_per_token
 from ttftc.ops.norm_linear import add_residual, normalize
 
@@ -59,6 +60,40 @@ def test_norm_quant_matches_the_reference(native_isa, width, layer, dtype, weigh
         assert torch.equal(summed, x_in)
     else:
         assert summed is None
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("layer,dtype,weight_dtype", [
+    (False, torch.float32, torch.float32), (False, torch.bfloat16, torch.bfloat16), (False, torch.bfloat16, torch.float32),
+    (True, torch.float32, torch.float32), (True, torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_matches_the_aten_lowering(native_isa, width, layer, dtype, weight_dtype, with_residual):
+    gen = torch.Generator().manual_seed(width + 1)
+    x = (torch.randn(13, width, generator=gen) * 3).to(dtype)
+    residual = torch.randn(13, width, generator=gen).to(dtype) if with_residual else None
+    weight = torch.randn(width, generator=gen).to(weight_dtype)
+    bias = torch.randn(width, generator=gen).to(weight_dtype) if layer else None
+    y, summed = _native.norm(x, weight, bias, residual, layer=layer, eps=1e-5)
+    x_in, _ = add_residual(x, residual)
+    expected = normalize_cpu(x_in, weight, bias, kind="layer" if layer else "rms", eps=1e-5)
+    assert y.dtype == expected.dtype  # the promoted dtype of x and weight
+    # fp32: rsqrt against 1/sqrt and the summation order, a few ulps; 16-bit: a rounding step of the dtype at most
+    tol = 1e-5 if expected.dtype == torch.float32 and dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(y.float(), expected.float(), rtol=tol, atol=tol)
+    assert (summed is None) == (residual is None) and (summed is None or torch.equal(summed, x_in))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("inter", WIDTHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_act_matches_the_in_place_aten_path(native_isa, act, inter, dtype):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(9, 2 * inter + 3, generator=gen) * 3).to(dtype)[:, : 2 * inter]  # strided rows
+    out = _native.gated_act(gate_up, act)
+    expected = activation_(gate_up[:, :inter].clone(), act).mul_(gate_up[:, inter:])
+    assert out.is_contiguous() and out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("width", WIDTHS)

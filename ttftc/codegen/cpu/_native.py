@@ -185,38 +185,63 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(m, dtype=torch.float32)
     if m and k:
         _call("quantize_rows", (x2d.data_ptr(), int(x2d.dtype == torch.bfloat16), x2d.stride(0), q.data_ptr(),
-                                  scale.data_ptr(), m, k, _threads()))
+                                scale.data_ptr(), m, k, _threads()))
     elif m:
         scale.fill_(1e-8 / 127.0)
     return q, scale
 
 
-def norm_quant(x2d, weight, bias, residual2d, *, layer: bool, eps: float):
-    """(x + residual ->) RMSNorm or LayerNorm -> int8 per row: (q [M, K], scale [M], x + residual or None).
+def _norm_call(x2d, weight, bias, residual2d, *, layer: bool, eps: float, quantize: bool):
+    _check(rows_reason(x2d) is None, f"norm: {rows_reason(x2d)}")
+    m, k = x2d.shape
+    _check(x2d.is_contiguous() and weight.is_contiguous() and tuple(weight.shape) == (k,), "norm: shapes")
+    _check(weight.dtype in (torch.float32, x2d.dtype), f"norm: weight dtype {weight.dtype}")
+    if layer:
+        _check(bias is not None and bias.is_contiguous() and tuple(bias.shape) == (k,) and bias.dtype == weight.dtype
+               and weight.dtype == x2d.dtype, "norm: LayerNorm needs weight and bias of x's dtype")
+    if residual2d is not None:
+        _check(residual2d.shape == x2d.shape and residual2d.dtype == x2d.dtype and residual2d.is_contiguous(),
+               "norm: the residual must match x")
+    summed = torch.empty_like(x2d) if residual2d is not None else None
+    if quantize:
+        q, scale, out = torch.empty(m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32), None
+    else:
+        q, scale, out = None, None, torch.empty(m, k, dtype=torch.promote_types(x2d.dtype, weight.dtype))
+    if m and k:
+        x_bf16, w_bf16 = x2d.dtype == torch.bfloat16, weight.dtype == torch.bfloat16
+        address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        _call("norm", (x2d.data_ptr(), address(residual2d), address(summed), weight.data_ptr(),
+                       address(bias) if layer else 0, address(q), address(scale), address(out), m, k, int(x_bf16),
+                       int(w_bf16), int(layer), int(x_bf16 and w_bf16), _threads()), float(eps))
+    return (q, scale) if quantize else out, summed
+
+
+def norm(x2d, weight, bias, residual2d, *, layer: bool, eps: float):
+    """(x + residual ->) RMSNorm or LayerNorm of [M, K] rows: (normalised rows, x + residual or None), with the
+    reference's numerics (ttftc/codegen/cpu/norm.py): the output in the promoted dtype of x and weight.
 
     x2d, residual2d: contiguous [M, K] of one dtype (fp32/bf16); weight (and LayerNorm's bias) [K], fp32 or x's
     dtype (LayerNorm: x's dtype)."""
-    _check(rows_reason(x2d) is None, f"norm_quant: {rows_reason(x2d)}")
-    m, k = x2d.shape
-    _check(x2d.is_contiguous() and weight.is_contiguous() and tuple(weight.shape) == (k,), "norm_quant: shapes")
-    _check(weight.dtype in (torch.float32, x2d.dtype), f"norm_quant: weight dtype {weight.dtype}")
-    if layer:
-        _check(bias is not None and bias.is_contiguous() and tuple(bias.shape) == (k,) and bias.dtype == weight.dtype
-               and weight.dtype == x2d.dtype, "norm_quant: LayerNorm needs weight and bias of x's dtype")
-    if residual2d is not None:
-        _check(residual2d.shape == x2d.shape and residual2d.dtype == x2d.dtype and residual2d.is_contiguous(),
-               "norm_quant: the residual must match x")
-    q = torch.empty(m, k, dtype=torch.int8)
-    scale = torch.empty(m, dtype=torch.float32)
-    summed = torch.empty_like(x2d) if residual2d is not None else None
-    if m and k:
-        x_bf16 = x2d.dtype == torch.bfloat16
-        w_bf16 = weight.dtype == torch.bfloat16
-        _call("norm_quant", (x2d.data_ptr(), 0 if residual2d is None else residual2d.data_ptr(),
-                               0 if summed is None else summed.data_ptr(), weight.data_ptr(),
-                               bias.data_ptr() if layer else 0, q.data_ptr(), scale.data_ptr(), m, k, int(x_bf16),
-                               int(w_bf16), int(layer), int(x_bf16 and w_bf16), _threads()), float(eps))
+    return _norm_call(x2d, weight, bias, residual2d, layer=layer, eps=eps, quantize=False)
+
+
+def norm_quant(x2d, weight, bias, residual2d, *, layer: bool, eps: float):
+    """As norm, ending in int8 per row: (q [M, K], scale [M], x + residual or None)."""
+    (q, scale), summed = _norm_call(x2d, weight, bias, residual2d, layer=layer, eps=eps, quantize=True)
     return q, scale, summed
+
+
+def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up of a [M, 2I] gate|up matrix (rows may be strided), as a contiguous [M, I] in its dtype."""
+    _check(rows_reason(gate_up) is None and gate_up.dim() == 2 and _rows_ready(gate_up), f"gated_act: {rows_reason(gate_up)}")
+    _check(act in ACTIVATION_CODES, f"gated_act: activation {act!r}")
+    m, two_i = gate_up.shape
+    _check(two_i % 2 == 0, "gated_act: an odd gate|up width")
+    out = torch.empty(m, two_i // 2, dtype=gate_up.dtype)
+    if m and two_i:
+        _call("gated_act", (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, two_i // 2, ACTIVATION_CODES[act],
+                            int(gate_up.dtype == torch.bfloat16), _threads()))
+    return out
 
 
 def dequant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
@@ -233,8 +258,8 @@ def dequant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bia
     out = torch.empty(m, n, dtype=out_dtype)
     if m and n:
         _call("dequant", (acc.data_ptr(), acc.stride(0), x_scale.data_ptr(), w_scale.data_ptr(),
-                            0 if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n,
-                            int(out_dtype == torch.bfloat16), _threads()))
+                          0 if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n,
+                          int(out_dtype == torch.bfloat16), _threads()))
     return out
 
 
@@ -255,6 +280,6 @@ def gated_quant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
     scale = torch.empty(m, dtype=torch.float32)
     if m and inter:
         _call("gated_quant", (acc.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(),
-                                0 if bias is None else bias.data_ptr(), q.data_ptr(), scale.data_ptr(), m, inter,
-                                ACTIVATION_CODES[act], _threads()))
+                              0 if bias is None else bias.data_ptr(), q.data_ptr(), scale.data_ptr(), m, inter,
+                              ACTIVATION_CODES[act], _threads()))
     return q, scale

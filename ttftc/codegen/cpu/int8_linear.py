@@ -30,7 +30,7 @@ from ttftc.autotune.space import SearchSpace, register_space
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
 from ttftc.codegen.cpu.ffn import activation_
-from ttftc.codegen.cpu.norm import norm_reason, normalize_cpu, residual_add
+from ttftc.codegen.cpu.norm import native_norm_fits, norm_reason, normalize_cpu, residual_add
 from ttftc.codegen.lowering import register_lowering
 from ttftc.ops.ffn import ACTIVATIONS
 
@@ -198,20 +198,13 @@ def quantize_per_token_cpu(x):
 
 # -- norm_quant ----------------------------------------------------------------------------------------------
 
-def _native_norm_quant_fits(x, norm_w, norm_b, residual, kind) -> bool:
-    if _native.rows_reason(x) is not None or norm_w.dtype not in (torch.float32, x.dtype):
-        return False
-    if kind == "layer":  # F.layer_norm's contract: weight and bias of x's dtype
-        return norm_b is not None and norm_w.dtype == norm_b.dtype == x.dtype
-    return kind == "rms"
-
 def _norm_quant_reason(ctx, x, norm_w, norm_b=None, residual=None, *, kind, eps):
     return _cpu_reason(ctx, x, None) or norm_reason(ctx, x, norm_w, norm_b, residual, kind=kind, eps=eps)
 
 
 @register_lowering("norm_quant", "cpu", unsupported_reason=_norm_quant_reason)
 def norm_quant_cpu(x, norm_w, norm_b=None, residual=None, *, kind, eps):
-    if _native_norm_quant_fits(x, norm_w, norm_b, residual, kind):
+    if native_norm_fits(x, norm_w, norm_b, kind):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         res = None if residual is None else residual.reshape(rows.shape).contiguous()
         q, scale, summed = _native.norm_quant(rows, norm_w.contiguous(), None if norm_b is None else norm_b.contiguous(),

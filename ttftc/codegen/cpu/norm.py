@@ -1,4 +1,5 @@
-"""CPU lowering of ttftc.norm: residual add and RMSNorm/LayerNorm with ATen's fused norm kernels.
+"""CPU lowering of ttftc.norm: residual add and RMSNorm/LayerNorm, in one pass per row on ttftc's native row kernel
+(csrc/rows_kernel.h) where it is built and the dtypes are fp32/bf16, else with ATen's fused norm kernels.
 
 RMSNorm keeps Hugging Face's numerics: in fp32, `torch.rms_norm` computes exactly the decomposition (statistics
 and scaling in fp32, then the weight); for 16-bit inputs the normalised tensor is cast back before the weight
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ttftc.codegen.cpu import _native
 from ttftc.codegen.lowering import register_lowering
 
 
@@ -31,6 +33,28 @@ def normalize_cpu(x: torch.Tensor, norm_w, norm_b, *, kind: str, eps: float) -> 
     return normed.mul_(norm_w) if torch.promote_types(x.dtype, norm_w.dtype) == x.dtype else norm_w * normed
 
 
+def native_norm_fits(x: torch.Tensor, norm_w, norm_b, kind: str) -> bool:
+    """Whether the native row kernel takes this norm (it reads fp32/bf16; LayerNorm's weight and bias in x's dtype)."""
+    if _native.rows_reason(x) is not None or norm_w.dtype not in (torch.float32, x.dtype):
+        return False
+    if kind == "layer":
+        return norm_b is not None and norm_w.dtype == norm_b.dtype == x.dtype
+    return kind == "rms"
+
+
+def add_and_normalize(x: torch.Tensor, norm_w, norm_b, residual, *, kind: str, eps: float):
+    """(normalised x + residual, residual_out): the ttftc.norm contract, one pass per row where the native kernel
+    takes it."""
+    if native_norm_fits(x, norm_w, norm_b, kind):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        res = None if residual is None else residual.reshape(rows.shape).contiguous()
+        normed, summed = _native.norm(rows, norm_w.contiguous(), None if norm_b is None else norm_b.contiguous(), res,
+                                      layer=kind == "layer", eps=eps)
+        return normed.view(x.shape), (x.new_empty(0) if summed is None else summed.view(x.shape))
+    x, residual_out = residual_add(x, residual)
+    return normalize_cpu(x, norm_w, norm_b, kind=kind, eps=eps), residual_out
+
+
 def norm_reason(ctx, x, norm_w, norm_b=None, residual=None, *, kind, eps) -> str | None:
     if ctx.device_type != "cpu":
         return f"cpu provider, tensors on {ctx.device_type}"
@@ -49,5 +73,4 @@ def norm_reason(ctx, x, norm_w, norm_b=None, residual=None, *, kind, eps) -> str
 
 @register_lowering("norm", "cpu", unsupported_reason=norm_reason)
 def norm_cpu(x, norm_w, norm_b=None, residual=None, *, kind, eps):
-    x, residual_out = residual_add(x, residual)
-    return normalize_cpu(x, norm_w, norm_b, kind=kind, eps=eps), residual_out
+    return add_and_normalize(x, norm_w, norm_b, residual, kind=kind, eps=eps)

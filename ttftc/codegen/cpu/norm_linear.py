@@ -1,4 +1,5 @@
-"""CPU lowering of ttftc.norm_linear: the fused ATen norm (cpu/norm.py), then the GEMM into the (merged) weight
+"""CPU lowering of ttftc.norm_linear: the residual add and norm (cpu/norm.py: one native pass per row, or ATen's
+fused norm), then the GEMM into the (merged) weight
 with the backend cpu/_blas.py chooses (oneDNN by default; MKL in column blocks as an autotune alternative).
 """
 
@@ -8,7 +9,7 @@ from ttftc.autotune.space import SearchSpace, register_space
 from ttftc.codegen.cpu._blas import (WIDE_GEMM_SPACE_AXES, cpu_linear_reason, default_wide_gemm_config, gemm_options,
                                      linear_2d, wide_gemm_constraint)
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
-from ttftc.codegen.cpu.norm import norm_reason, normalize_cpu, residual_add
+from ttftc.codegen.cpu.norm import add_and_normalize, norm_reason
 from ttftc.codegen.lowering import register_lowering
 
 
@@ -24,8 +25,7 @@ def _reason(ctx, x, norm_w, norm_b, w, b=None, residual=None, *, kind, eps):
 @register_lowering("norm_linear", "cpu", unsupported_reason=_reason)
 @honours_num_threads
 def norm_linear_cpu(x, norm_w, norm_b, w, b=None, residual=None, *, kind, eps, tuning_config=None):
-    x, residual_out = residual_add(x, residual)
-    normed = normalize_cpu(x, norm_w, norm_b, kind=kind, eps=eps)
+    normed, residual_out = add_and_normalize(x, norm_w, norm_b, residual, kind=kind, eps=eps)
     out = linear_2d(normed.reshape(-1, normed.shape[-1]), w, b, **gemm_options(tuning_config, x.dtype))
     return out.view(*x.shape[:-1], w.shape[0]), residual_out
 

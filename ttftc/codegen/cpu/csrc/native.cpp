@@ -47,17 +47,27 @@ struct QuantArgs {
   bool x_bf16;
 };
 
-struct NormQuantArgs {
+struct NormArgs {
   const void* x;
   const void* residual;  // or null
   void* residual_out;    // x + residual (x's dtype), when residual is given
   const void* weight;
   const void* bias;  // LayerNorm only
-  int8_t* q;
+  int8_t* q;         // int8 per token (with scale), or null: the normalised rows go to `out`
   float* scale;
+  void* out;
   int64_t m, k;
-  bool x_bf16, w_bf16, layer, round_product;  // round_product: the RMSNorm weight product is rounded to x's dtype
+  bool x_bf16, w_bf16, layer, round_product;  // round_product: RMSNorm's weight product in x's dtype
   float eps;
+};
+
+struct GatedActArgs {
+  const void* x;  // [M, 2 * inter] rows of gate | up, row stride x_rs
+  int64_t x_rs;
+  void* out;  // [M, inter], contiguous
+  int64_t m, inter;
+  int act;
+  bool bf16;
 };
 
 struct DequantArgs {
@@ -302,17 +312,26 @@ PyObject* quantize_rows(PyObject*, PyObject* args) {
   return run(kernels, a, x[7]);
 }
 
-// norm_quant(ints, eps): ints = (x, residual, residual_out, weight, bias, q, scale, m, k, x_bf16, w_bf16,
-// layer, round_product, threads); absent pointers are 0.
-PyObject* norm_quant(PyObject*, PyObject* args) {
-  int64_t x[14];
+// norm(ints, eps): ints = (x, residual, residual_out, weight, bias, q, scale, out, m, k, x_bf16, w_bf16, layer,
+// round_product, threads); absent pointers are 0; q and scale, or out (in the promoted dtype of x and weight).
+PyObject* norm(PyObject*, PyObject* args) {
+  int64_t x[15];
   double eps;
-  if (!parse_ints(args, "norm_quant", 14, x, &eps)) return nullptr;
-  NormQuantArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<void>(x[2]), ptr<const void>(x[3]),
-                  ptr<const void>(x[4]), ptr<int8_t>(x[5]), ptr<float>(x[6]), x[7], x[8],
-                  x[9] != 0, x[10] != 0, x[11] != 0, x[12] != 0, float(eps)};
-  static const Kernel<NormQuantArgs> kernels[3] = TTFTC_BY_ISA(norm_quant_any);
-  return run(kernels, a, x[13]);
+  if (!parse_ints(args, "norm", 15, x, &eps)) return nullptr;
+  NormArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<void>(x[2]), ptr<const void>(x[3]),
+             ptr<const void>(x[4]), ptr<int8_t>(x[5]), ptr<float>(x[6]), ptr<void>(x[7]), x[8], x[9],
+             x[10] != 0, x[11] != 0, x[12] != 0, x[13] != 0, float(eps)};
+  static const Kernel<NormArgs> kernels[3] = TTFTC_BY_ISA(norm_any);
+  return run(kernels, a, x[14]);
+}
+
+// gated_act(ints) = (x, x_row_stride, out, m, inter, act, bf16, threads)
+PyObject* gated_act(PyObject*, PyObject* args) {
+  int64_t x[8];
+  if (!parse_ints(args, "gated_act", 8, x, nullptr)) return nullptr;
+  GatedActArgs a{ptr<const void>(x[0]), x[1], ptr<void>(x[2]), x[3], x[4], int(x[5]), x[6] != 0};
+  static const Kernel<GatedActArgs> kernels[3] = TTFTC_BY_ISA(gated_act_any);
+  return run(kernels, a, x[7]);
 }
 
 // dequant(ints) = (acc, acc_row_stride, x_scale, w_scale, bias or 0, out, out_row_stride, m, n, out_bf16, threads)
@@ -374,7 +393,8 @@ PyObject* source_digest(PyObject*, PyObject*) { return PyUnicode_FromString(TTFT
 PyMethodDef kMethods[] = {
     {"attention_f32", attention_f32, METH_VARARGS, "Exact fp32 attention forward (see attention_kernel.h)."},
     {"quantize_rows", quantize_rows, METH_VARARGS, "Symmetric int8 per row (see rows_kernel.h)."},
-    {"norm_quant", norm_quant, METH_VARARGS, "Residual add, RMSNorm/LayerNorm, int8 per row (see rows_kernel.h)."},
+    {"norm", norm, METH_VARARGS, "Residual add, RMSNorm/LayerNorm, then int8 per row or the rows (rows_kernel.h)."},
+    {"gated_act", gated_act, METH_VARARGS, "act(gate) * up of a gate|up matrix, contiguous (see rows_kernel.h)."},
     {"dequant", dequant, METH_VARARGS, "int32 accumulator to float with per-row and per-column scales."},
     {"gated_quant", gated_quant, METH_VARARGS, "Dequant, act(gate) * up, int8 per row (see rows_kernel.h)."},
     {"isa", isa, METH_NOARGS, "The instruction set the kernels run with on this CPU."},

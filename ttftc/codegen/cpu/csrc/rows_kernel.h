@@ -82,10 +82,9 @@ static inline vf exp_any(vf x) { return exp2_clamped(x * 1.4426950408889634f); }
 static inline vf act(vf x, int kind) {
   if (kind == 0) return x / (1.0f + exp_any(-x));  // silu, as ATen: x / (1 + e^-x)
   if (kind == 2) return vmax(x, vf{});  // relu
-  // gelu, tanh approximation: 0.5 x (1 + tanh(y)), tanh(y) = 1 - 2 / (e^(2y) + 1)
+  // gelu, tanh approximation: 0.5 x (1 + tanh(y)) = x / (1 + e^(-2y)), which does not cancel where tanh(y) -> -1
   vf y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  vf th = 1.0f - 2.0f / (exp_any(2.0f * y) + 1.0f);
-  return 0.5f * x * (1.0f + th);
+  return x / (1.0f + exp_any(-2.0f * y));
 }
 static inline float act1(float x, int kind) { return act(splat(x), kind)[0]; }
 
@@ -125,9 +124,12 @@ static void quantize_rows(const QuantArgs& a, std::vector<float>& row, int64_t m
   a.scale[m] = quantize_row(xf, a.k, amax, a.q + m * a.k);
 }
 
-// --- norm_quant: (x + residual ->) RMSNorm / LayerNorm -> int8 per token ------------------------------------
+// --- norms: (x + residual ->) RMSNorm / LayerNorm, then int8 per token or the normalised row itself ---------
+
+// Normalises row m into y (fp32, rounded where the reference rounds); writes x + residual when there is one.
+// Returns max |y|, for the quantiser.
 template <class T, class W>
-static void norm_quant(const NormQuantArgs& a, std::vector<float>& row, int64_t m) {
+static float normalize_row(const NormArgs& a, float* y, int64_t m) {
   const int64_t k = a.k;
   const T* x = static_cast<const T*>(a.x) + m * k;
   if (a.residual) {  // the sum, in x's dtype, is both the norm's input and residual_out
@@ -140,10 +142,8 @@ static void norm_quant(const NormQuantArgs& a, std::vector<float>& row, int64_t 
   }
   const W* w = static_cast<const W*>(a.weight);
   const W* b = static_cast<const W*>(a.bias);
-  float* y = row.data();
   vf acc = vf{};
-  float tail = 0.0f;
-  float shift = 0.0f, inv = 0.0f;
+  float tail = 0.0f, shift = 0.0f;
   int64_t i = 0;
   if (a.layer) {  // mean, then the biased variance around it (two passes, as ATen's layer_norm)
     for (i = 0; i + VW <= k; i += VW) acc += load(x + i);
@@ -164,9 +164,9 @@ static void norm_quant(const NormQuantArgs& a, std::vector<float>& row, int64_t 
   }
   float sq = tail;
   for (int lane = 0; lane < VW; ++lane) sq += acc[lane];
-  inv = 1.0f / std::sqrt(sq / float(k) + a.eps);
-  // y = normalised x: RMSNorm rounds it to x's dtype before the weight (as Hugging Face does), and the product
-  // to the promoted dtype of x and weight; LayerNorm applies weight and bias in fp32 and rounds once.
+  const float inv = 1.0f / std::sqrt(sq / float(k) + a.eps);
+  // RMSNorm rounds the normalised x to its dtype before the weight (as Hugging Face does), and the product to the
+  // promoted dtype of x and weight; LayerNorm applies weight and bias in fp32 and rounds once.
   vf m_abs = vf{};
   float amax = 0.0f;
   for (i = 0; i + VW <= k; i += VW) {
@@ -192,7 +192,23 @@ static void norm_quant(const NormQuantArgs& a, std::vector<float>& row, int64_t 
     amax = std::max(amax, std::fabs(v));
   }
   for (int lane = 0; lane < VW; ++lane) amax = std::max(amax, m_abs[lane]);
-  a.scale[m] = quantize_row(y, k, amax, a.q + m * k);
+  return amax;
+}
+
+template <class T, class W>
+static void norm_quant(const NormArgs& a, std::vector<float>& row, int64_t m) {
+  const float amax = normalize_row<T, W>(a, row.data(), m);
+  a.scale[m] = quantize_row(row.data(), a.k, amax, a.q + m * a.k);
+}
+
+// The normalised row in the output's dtype (every value is already rounded to it).
+template <class T, class W, class O>
+static void norm_rows(const NormArgs& a, std::vector<float>& row, int64_t m) {
+  normalize_row<T, W>(a, row.data(), m);
+  O* out = static_cast<O*>(a.out) + m * a.k;
+  int64_t i = 0;
+  for (; i + VW <= a.k; i += VW) store(out + i, load(row.data() + i));
+  for (; i < a.k; ++i) store1(out + i, row[i]);
 }
 
 // --- dequant: acc [M, N] int32 -> acc * w_scale * x_scale (+ bias) in out's dtype ---------------------------
@@ -243,6 +259,18 @@ static void gated_quant(const GatedQuantArgs& a, std::vector<float>& row, int64_
   a.scale[m] = quantize_row(h, inter, amax, a.q + m * inter);
 }
 
+// --- the float gated FFN's middle: gate_up [M, 2I] -> act(gate) * up [M, I], contiguous -----------------------
+// In x's dtype as the reference computes it: act(gate) rounded to the dtype, then the product.
+template <class T>
+static void gated_act(const GatedActArgs& a, std::vector<float>&, int64_t m) {
+  const T* gate = static_cast<const T*>(a.x) + m * a.x_rs;
+  const T* up = gate + a.inter;
+  T* out = static_cast<T*>(a.out) + m * a.inter;
+  int64_t i = 0;
+  for (; i + VW <= a.inter; i += VW) store(out + i, as_dtype<T>(act(load(gate + i), a.act)) * load(up + i));
+  for (; i < a.inter; ++i) store1(out + i, as_dtype1<T>(act1(load1(gate + i), a.act)) * load1(up + i));
+}
+
 // Row kernels: items are chunks of rows, each thread keeps one fp32 row of scratch.
 template <class Args, class Fn>
 static void rows(const Args& a, int64_t m, int64_t width, int threads, Fn fn) {
@@ -260,10 +288,19 @@ static void quantize_rows_any(const QuantArgs& a, int threads) {
   else rows(a, a.m, a.k, threads, quantize_rows<float>);
 }
 
-static void norm_quant_any(const NormQuantArgs& a, int threads) {
-  if (a.x_bf16 && a.w_bf16) rows(a, a.m, a.k, threads, norm_quant<uint16_t, uint16_t>);
-  else if (a.x_bf16) rows(a, a.m, a.k, threads, norm_quant<uint16_t, float>);
-  else rows(a, a.m, a.k, threads, norm_quant<float, float>);
+static void norm_any(const NormArgs& a, int threads) {
+  using B = uint16_t;
+  if (a.q) {
+    if (a.x_bf16 && a.w_bf16) rows(a, a.m, a.k, threads, norm_quant<B, B>);
+    else if (a.x_bf16) rows(a, a.m, a.k, threads, norm_quant<B, float>);
+    else rows(a, a.m, a.k, threads, norm_quant<float, float>);
+  } else if (a.x_bf16 && a.w_bf16) {
+    rows(a, a.m, a.k, threads, norm_rows<B, B, B>);
+  } else if (a.x_bf16) {  // an fp32 RMSNorm weight promotes the output to fp32
+    rows(a, a.m, a.k, threads, norm_rows<B, float, float>);
+  } else {
+    rows(a, a.m, a.k, threads, norm_rows<float, float, float>);
+  }
 }
 
 static void dequant_any(const DequantArgs& a, int threads) {
@@ -272,5 +309,10 @@ static void dequant_any(const DequantArgs& a, int threads) {
 }
 
 static void gated_quant_any(const GatedQuantArgs& a, int threads) { rows(a, a.m, a.inter, threads, gated_quant); }
+
+static void gated_act_any(const GatedActArgs& a, int threads) {
+  if (a.bf16) rows(a, a.m, 0, threads, gated_act<uint16_t>);
+  else rows(a, a.m, 0, threads, gated_act<float>);
+}
 
 }  // namespace TTFTC_NS
