@@ -5,6 +5,7 @@
     python3 scripts/mutation.py --list               # the groups, their modules and test files
     python3 scripts/mutation.py --report             # the score table of the runs so far, without running
     python3 scripts/mutation.py --retest-survivors scheduler   # after adding tests: retry the survivors only
+    python3 scripts/mutation.py --retest-timeouts scheduler    # retry timeouts (a paused machine causes some)
 
 Each group mutates its modules and runs only its matching test files (the quick ones: `-m "not slow"`), so a
 mutant is judged by the tests written for its module, not by whole-model tests that happen to execute it.
@@ -15,9 +16,10 @@ Workers: TTFTC_MUTATION_JOBS (default 1; the machine is shared).
 The [tool.mutmut] section of pyproject.toml holds the shared settings and, in only_mutate and
 pytest_add_cli_args_test_selection, the union of the groups below (tests/test_mutation_config.py checks that).
 
-Score per module: killed / (mutants - equivalent). A mutant is equivalent when no test can tell it from the
-original (the same behaviour by another route); scripts/mutation_equivalent.toml lists each such mutant with the
-reason, and the report flags entries that no longer match a surviving mutant.
+Score per module: (killed + timeout) / (mutants - equivalent - unrun); the other columns leave the equivalent
+mutants out. A mutant is equivalent when no test can tell it from the original (the same behaviour by another
+route); scripts/mutation_equivalent.toml lists each such mutant with the reason, and the report flags entries that no
+longer match a surviving mutant.
 """
 
 from __future__ import annotations
@@ -160,15 +162,20 @@ def _call(command: list[str], cwd: Path, env: dict, minutes: Optional[float]) ->
         return 0
 
 
-def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool, minutes: Optional[float] = None) -> int:
+def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool, minutes: Optional[float] = None,
+              retest_timeouts: bool = False) -> int:
     root = prepare(name, fresh)
     mutmut = shutil.which("mutmut") or str(Path(sys.executable).with_name("mutmut"))
     env = {**os.environ, "PYTHONPATH": ""}  # the copy, not the checkout, is what the tests import
-    # mutmut keeps a result until the mutated function changes; after new tests, name the survivors to retry them.
-    again = [m for statuses in results(name).values() for m, s in statuses.items() if s == "survived"] \
-        if retest_survivors else []
-    print(f"== {name}: mutmut in {root}" + (f", retrying {len(again)} survivors" if again else ""), flush=True)
-    if retest_survivors and not again:
+    # mutmut keeps a result until the mutated function changes; after new tests, name the survivors to retry them
+    # (with the mutants that no test reached: the new tests may reach them). A timeout can be the machine's doing:
+    # besides its CPU-time limit, mutmut stops a mutant after (estimated time + 2 s) x timeout_multiplier of wall
+    # time, which a paused or starved run exceeds; --retest-timeouts runs those again.
+    retry = ({"survived", "no tests"} if retest_survivors else set()) | ({"timeout"} if retest_timeouts else set())
+    again = [m for statuses in results(name).values() for m, s in statuses.items() if s in retry]
+    print(f"== {name}: mutmut in {root}" + (f", retrying {len(again)} mutants ({', '.join(sorted(retry))})"
+                                            if again else ""), flush=True)
+    if retry and not again:
         return 0
     return _call([mutmut, "run", "--max-children", str(jobs), *again], root, env, minutes)
 
@@ -210,21 +217,24 @@ def report(names) -> int:
     print(header)
     for name in names:
         for module, statuses in results(name).items():
-            counts = Counter(statuses.values())
-            equiv = sum(1 for mutant, status in statuses.items() if mutant in equivalent and status != "killed")
-            seen.update(m for m in statuses if m in equivalent and statuses[m] != "killed")
+            # A listed mutant that a test kills is not equivalent: it counts as killed (and is reported as stale).
+            equivalents = {m for m, s in statuses.items() if m in equivalent and s != "killed"}
+            seen.update(equivalents)
+            counts = Counter(s for m, s in statuses.items() if m not in equivalents)
             detected = counts["killed"] + counts["timeout"] + counts["segfault"] + counts["caught by type check"]
             unrun = counts["not checked"]
-            judged = len(statuses) - equiv - unrun
+            judged = len(statuses) - len(equivalents) - unrun
             score = detected / judged if judged else 1.0
             below += score < 0.85 or unrun > 0
             print(f"{module:44} {len(statuses):7} {counts['killed']:6} {counts['timeout']:7} {counts['survived']:8} "
-                  f"{counts['no tests']:7} {equiv:5} {unrun:5} {score:6.1%}")
+                  f"{counts['no tests']:7} {len(equivalents):5} {unrun:5} {score:6.1%}")
             undecided = sorted(m for m, s in statuses.items()
-                               if s not in ("killed", "timeout", "not checked") and m not in equivalent)
+                               if s not in ("killed", "timeout", "not checked") and m not in equivalents)
             for mutant in undecided:
                 print(f"    {statuses[mutant]:10} {mutant}")
-    stale = sorted(set(equivalent) - seen)
+    # Only the modules these groups' runs mutated: another group's entries are not stale for not being seen here.
+    prefixes = tuple(module[: -len(".py")].replace("/", ".") + "." for name in names for module in results(name))
+    stale = sorted(m for m in set(equivalent) - seen if m.startswith(prefixes))
     if stale:
         print("listed as equivalent but not a surviving mutant of these runs (killed, renamed or not run):")
         for mutant in stale:
@@ -240,6 +250,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fresh", action="store_true", help="drop earlier results of these groups first")
     parser.add_argument("--retest-survivors", action="store_true",
                         help="run the surviving mutants of earlier runs again (after adding tests)")
+    parser.add_argument("--retest-timeouts", action="store_true",
+                        help="run the mutants that timed out again (a paused or busy machine can time a run out)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="stop each group's run after this long (its results are kept; run again to go on)")
     args = parser.parse_args(argv)
@@ -254,7 +266,7 @@ def main(argv=None) -> int:
     if not args.report:
         jobs = int(os.environ.get("TTFTC_MUTATION_JOBS", "1"))
         for name in names:
-            if run_group(name, jobs, args.fresh, args.retest_survivors, args.minutes) != 0:
+            if run_group(name, jobs, args.fresh, args.retest_survivors, args.minutes, args.retest_timeouts) != 0:
                 print(f"mutmut failed for group {name}", file=sys.stderr)
     return report(names)
 
