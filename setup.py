@@ -29,7 +29,7 @@ setup(
         Extension(
             "ttftc.codegen.cpu._native_kernels",
             sources=["ttftc/codegen/cpu/csrc/native.cpp"],
-            depends=["ttftc/codegen/cpu/csrc/attention_kernel.h"],
+            depends=[p.relative_to(CSRC.parents[3]).as_posix() for p in sorted(CSRC.glob("*.h"))],
             language="c++",
             define_macros=[("TTFTC_SOURCE_DIGEST", f'"{_source_digest()}"')],
             extra_compile_args=_FLAGS,

@@ -6,7 +6,7 @@ import pytest
 
 from ttftc.codegen.cpu import _native
 
-NATIVE_ISAS = ("base", "avx2", "avx512")
+NATIVE_ISAS = ("base", "avx2", "avx512", "avx512_bf16")
 
 
 def native_isas_here() -> list[str]:

@@ -1,6 +1,6 @@
-"""ttftc's native fp32 attention kernel (ttftc/codegen/cpu/csrc/attention_kernel.h) against an fp64 reference, on
-every instruction-set version this CPU can run, and the module's guards (build present, sources current, inputs
-validated)."""
+"""ttftc's native attention kernel (ttftc/codegen/cpu/csrc/attention_kernel.h, and attention_bf16_kernel.h for bf16)
+against an fp64 reference, on every instruction-set version this CPU can run, and the module's guards (build
+present, sources current, inputs validated)."""
 
 from __future__ import annotations
 
@@ -47,18 +47,35 @@ def _reference(q, k, v, kv_len=None, *, causal, q_offset=0, window=0, scale=SCAL
     return probs @ v64
 
 
-def _qkv(b, hq, hkv, sq, skv, d, dv=None, seed=0):
+def _qkv(b, hq, hkv, sq, skv, d, dv=None, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     # [B, S, H, D] storage viewed as [B, H, S, D], as projections produce them; scores of a few units
-    q = (torch.randn(b, sq, hq, d, generator=gen) * 2).transpose(1, 2)
-    k = torch.randn(b, skv, hkv, d, generator=gen).transpose(1, 2)
-    v = torch.randn(b, skv, hkv, dv or d, generator=gen).transpose(1, 2)
+    q = (torch.randn(b, sq, hq, d, generator=gen) * 2).to(dtype).transpose(1, 2)
+    k = torch.randn(b, skv, hkv, d, generator=gen).to(dtype).transpose(1, 2)
+    v = torch.randn(b, skv, hkv, dv or d, generator=gen).to(dtype).transpose(1, 2)
     return q, k, v
 
 
+# fp32: the fp64 reference to 1e-5. bf16: FlashAttention-2's bf16 numerics (probabilities rounded to bf16 before
+# the value product, the output rounded once), against the fp64 reference of the same bf16 inputs.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(params=[(isa, torch.float32) for isa in NATIVE_ISAS] + [("avx512_bf16", torch.bfloat16)],
+                ids=lambda p: f"{p[0]}-{str(p[1]).replace('torch.', '')}")
+def isa_and_dtype(request):
+    """Each instruction-set version of the kernel this CPU runs, with each dtype that version has."""
+    isa, dtype = request.param
+    if isa not in native_isas_here():
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    previous = _native.set_isa(isa)
+    yield isa, dtype
+    _native.set_isa(previous)
+
+
 def _run(q, k, v, kv_len=None, *, causal, q_offset=0, window=0, block_k=128, threads=2):
-    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
-    return _native.attention_f32(q, k, v, out, kv_len, causal=causal, scale=SCALE, q_offset=q_offset,
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1], dtype=q.dtype).transpose(1, 2)
+    return _native.attention(q, k, v, out, kv_len, causal=causal, scale=SCALE, q_offset=q_offset,
                                  window=window, block_k=block_k, threads=threads)
 
 
@@ -81,13 +98,28 @@ CASES = [  # b, hq, hkv, sq, skv, d, dv, causal, q_offset, window, kv_len
 
 @pytest.mark.parametrize("block_k", [5, 32, 128])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:10])))
-def test_matches_the_fp64_reference(native_isa, case, block_k):
+def test_matches_the_fp64_reference(isa_and_dtype, case, block_k):
+    _, dtype = isa_and_dtype
     b, hq, hkv, sq, skv, d, dv, causal, q_offset, window, lengths = case
-    q, k, v = _qkv(b, hq, hkv, sq, skv, d, dv)
+    q, k, v = _qkv(b, hq, hkv, sq, skv, d, dv, dtype=dtype)
     kv_len = None if lengths is None else torch.tensor(lengths)
     out = _run(q, k, v, kv_len, causal=causal, q_offset=q_offset, window=window, block_k=block_k)
     expected = _reference(q, k, v, kv_len, causal=causal, q_offset=q_offset, window=window)
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_bf16_needs_the_avx512_bf16_kernels(native_isa):
+    q, k, v = _qkv(1, 2, 2, 20, 20, 16, dtype=torch.bfloat16)
+    if native_isa == "avx512_bf16":
+        assert torch.bfloat16 in _native.attention_dtypes()
+        _run(q, k, v, causal=True)
+    else:  # the lowering asks attention_dtypes() first; a direct call is refused, never run on the wrong kernel
+        with pytest.raises(ValueError, match="avx512_bf16"):
+            _native._load()[0].attention((q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr(), 0, 1, 2, 2, 20, 20,
+                                          16, 16, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *q.stride()[:3],
+                                          1, 0, 0, 32, 1, 1), 0.25)
 
 
 def test_large_scores_stay_finite_and_exact():
@@ -114,8 +146,8 @@ def test_rows_four_kib_apart_are_copied_and_still_exact(monkeypatch):
     q, k, v = _qkv(1, 16, 16, 40, 40, 64, seed=6)
     assert k.stride(2) * 4 == 4096
     seen = []
-    real = _native.attention_f32
-    monkeypatch.setattr(_native, "attention_f32", lambda q, k, v, *a, **kw: seen.append(k.stride(2)) or real(q, k, v, *a, **kw))
+    real = _native.attention
+    monkeypatch.setattr(_native, "attention", lambda q, k, v, *a, **kw: seen.append(k.stride(2)) or real(q, k, v, *a, **kw))
     out = attention_cpu(q, k, v, causal=True, scale=SCALE)
     assert seen == [64]
     torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
@@ -123,9 +155,9 @@ def test_rows_four_kib_apart_are_copied_and_still_exact(monkeypatch):
 
 def test_the_lowering_hands_other_dtypes_and_head_dims_to_flash(monkeypatch):
     monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", "native")
-    monkeypatch.setattr(_native, "attention_f32", lambda *a, **kw: pytest.fail("native kernel on an unsupported case"))
+    monkeypatch.setattr(_native, "attention", lambda *a, **kw: pytest.fail("native kernel on an unsupported case"))
     q, k, v = _qkv(1, 2, 2, 12, 12, 16)
-    attention_cpu(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, scale=SCALE)
+    attention_cpu(q.half(), k.half(), v.half(), causal=True, scale=SCALE)
     q, k, v = _qkv(1, 2, 2, 12, 12, 12)  # 12 is not a multiple of 8
     out = attention_cpu(q, k, v, causal=True, scale=SCALE)
     torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
@@ -134,23 +166,23 @@ def test_the_lowering_hands_other_dtypes_and_head_dims_to_flash(monkeypatch):
 def test_bad_inputs_are_refused_before_any_pointer_is_used():
     q, k, v = _qkv(1, 2, 2, 8, 8, 16)
     out = torch.empty(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="fp32 only"):
-        _native.attention_f32(q.double(), k.double(), v.double(), out, None, causal=True, scale=1.0, q_offset=0,
+    with pytest.raises(ValueError, match="not torch.float64"):
+        _native.attention(q.double(), k.double(), v.double(), out, None, causal=True, scale=1.0, q_offset=0,
                               window=0, block_k=8, threads=1)
     with pytest.raises(ValueError, match="out must be"):
-        _native.attention_f32(q, k, v, out[..., :8], None, causal=True, scale=1.0, q_offset=0, window=0, block_k=8,
+        _native.attention(q, k, v, out[..., :8], None, causal=True, scale=1.0, q_offset=0, window=0, block_k=8,
                               threads=1)
     with pytest.raises(ValueError, match="contiguous last dimension"):
-        _native.attention_f32(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, out, None, causal=True,
+        _native.attention(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, out, None, causal=True,
                               scale=1.0, q_offset=0, window=0, block_k=8, threads=1)
     with pytest.raises(ValueError, match="kv_len"):
-        _native.attention_f32(q, k, v, out, torch.tensor([8], dtype=torch.int32), causal=True, scale=1.0,
+        _native.attention(q, k, v, out, torch.tensor([8], dtype=torch.int32), causal=True, scale=1.0,
                               q_offset=0, window=0, block_k=8, threads=1)
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        _native.attention_f32(q, k[:, :0], v[:, :0], out, None, causal=True, scale=1.0, q_offset=0, window=0,
+        _native.attention(q, k[:, :0], v[:, :0], out, None, causal=True, scale=1.0, q_offset=0, window=0,
                               block_k=8, threads=1)
     with pytest.raises(ValueError, match="block_k"):
-        _native.attention_f32(q, k, v, out, None, causal=True, scale=1.0, q_offset=0, window=0, block_k=0, threads=1)
+        _native.attention(q, k, v, out, None, causal=True, scale=1.0, q_offset=0, window=0, block_k=0, threads=1)
 
 
 def test_a_build_from_other_sources_is_refused(monkeypatch):

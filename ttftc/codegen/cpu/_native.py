@@ -94,13 +94,21 @@ def set_isa(name: str) -> str:
     return module.set_isa(name)
 
 
+def attention_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes the native attention kernel runs here: fp32 everywhere it is built, bf16 where the CPU has
+    AVX512-BF16 dot products."""
+    if unavailable_reason() is not None:
+        return ()
+    return (torch.float32, torch.bfloat16) if isa() == "avx512_bf16" else (torch.float32,)
+
+
 def attention_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
-    """None when attention_f32 takes these tensors (metadata only), else why not."""
+    """None when attention() takes these tensors (metadata only), else why not."""
     reason = unavailable_reason()
     if reason is not None:
         return reason
-    if not (q.dtype == k.dtype == v.dtype == torch.float32):
-        return "the native attention kernel is fp32 only"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in attention_dtypes():
+        return f"the native attention kernel runs {', '.join(map(str, attention_dtypes()))} here, not {q.dtype}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "q, k, v are not 4-D"
     if q.shape[-1] != k.shape[-1] or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0]:
@@ -114,8 +122,8 @@ def attention_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optio
     return None
 
 
-def attention_f32(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int, window: int, block_k: int,
-                  threads: int) -> torch.Tensor:
+def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int, window: int, block_k: int,
+              threads: int) -> torch.Tensor:
     """out[b, h] = softmax(q[b, h] k[b, h // group]^T * scale, masked) v[b, h // group], written into `out`.
 
     q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv], out [B, Hq, Sq, Dv]: any strides with the last
@@ -128,8 +136,8 @@ def attention_f32(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset:
         raise ValueError(reason)
     b, hq, sq, d = q.shape
     hkv, skv, dv = k.shape[1], k.shape[2], v.shape[-1]
-    if tuple(out.shape) != (b, hq, sq, dv) or out.dtype != torch.float32:
-        raise ValueError(f"out must be float32 {(b, hq, sq, dv)}, got {out.dtype} {tuple(out.shape)}")
+    if tuple(out.shape) != (b, hq, sq, dv) or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} {(b, hq, sq, dv)}, got {out.dtype} {tuple(out.shape)}")
     if any(t.numel() and t.stride(-1) != 1 for t in (q, k, v, out)):
         raise ValueError("q, k, v and out need a contiguous last dimension")
     if kv_len is not None and (kv_len.dtype != torch.int64 or tuple(kv_len.shape) != (b,) or not kv_len.is_contiguous()):
@@ -140,8 +148,8 @@ def attention_f32(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset:
         return out
     ints = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if kv_len is None else kv_len.data_ptr(),
             b, hq, hkv, sq, skv, d, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            int(bool(causal)), int(q_offset), int(window), int(block_k), int(threads))
-    _call("attention_f32", ints, float(scale))
+            int(bool(causal)), int(q_offset), int(window), int(block_k), int(threads), int(q.dtype == torch.bfloat16))
+    _call("attention", ints, float(scale))
     return out
 
 

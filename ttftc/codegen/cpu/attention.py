@@ -2,10 +2,10 @@
 
 Three kernels, and which one runs is measured once per process and dtype (`fastest_kernel`) or set by
 `ttftc autotune` (the `kernel` knob):
-- "native": ttftc's fp32 kernel (csrc/attention_kernel.h, built at install): FlashAttention-2's online softmax
-  with the queries along the vector lanes, every mask the op has (causal at any q_offset, sliding window,
-  per-sequence kv_len) in one pass, GQA by head mapping. On an AMD EPYC (Zen 4, AVX-512, 2 threads) it ran
-  causal prefill 1.3-1.9x faster than ATen's flash kernel (benchmarks/attention_cpu.py).
+- "native": ttftc's kernel (csrc/attention_kernel.h, built at install): FlashAttention-2's online softmax with the
+  queries along the vector lanes, every mask the op has (causal at any q_offset, sliding window, per-sequence
+  kv_len) in one pass, GQA by head mapping; fp32, and bf16 on CPUs with AVX512-BF16 dot products
+  (csrc/attention_bf16_kernel.h). benchmarks/attention_cpu.py measures it against the others.
 - "flash": aten._scaled_dot_product_flash_attention_for_cpu. It streams K/V in blocks (no Sq x Skv scores) and maps
   GQA heads itself, but keeps its inner products in fp32 whatever the input dtype.
 - "gemm_blocks": plain causal prefill as batched GEMMs per block of query rows, which runs bf16 on the CPU's native
@@ -44,7 +44,8 @@ DEFAULT_TUNING = {
     # Up to this many (query, key) pairs, an explicit additive mask (4 MiB in fp32) and one flash call beat the
     # memory-bounded rewrites (benchmarks/attention_cpu.py: offset and window cases at 512 vs 2048 tokens).
     "small_mask_pairs": 1 << 20,
-    # "native" (every case, fp32), "flash", "gemm_blocks" (plain causal; other masks take flash), or None:
+    # "native" (every case; fp32, and bf16 where the CPU has AVX512-BF16), "flash", "gemm_blocks" (plain causal;
+    # other masks take flash), or None:
     # whichever fastest_kernel measured fastest on this CPU for the dtype.
     "kernel": None,
     # Query rows per block of the gemm_blocks kernel (scores per block: heads x rows x keys).
@@ -156,8 +157,7 @@ def _causal_gemm_blocks(q, k, v, scale: float, block_rows: int) -> torch.Tensor:
 
 def kernels_for(dtype: torch.dtype) -> tuple[str, ...]:
     """The kernels that can run this dtype in this process."""
-    native = dtype == torch.float32 and _native.unavailable_reason() is None
-    return KERNELS if native else tuple(k for k in KERNELS if k != "native")
+    return KERNELS if dtype in _native.attention_dtypes() else tuple(k for k in KERNELS if k != "native")
 
 
 def _kernel_seconds(kernel: str, dtype: torch.dtype, repeats: int = 3) -> float:
@@ -189,13 +189,13 @@ def fastest_kernel(dtype: torch.dtype) -> str:
 def _native_attention(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: int, window: int,
                       block_k: int) -> torch.Tensor:
     out = _flash_layout_fake(q, k, v, causal=causal, scale=scale)
-    # K/V rows a multiple of 4 KiB apart (16 interleaved heads of 64) fall into the same L1 sets: one copy to
+    # K/V rows a multiple of 4 KiB apart (16 interleaved fp32 heads of 64) fall into the same L1 sets: one copy to
     # [B, H, S, D] ran 2048-token attention faster than the strided reads (136 against 126 GFLOP/s, AMD EPYC).
     if (k.stride(2) * k.element_size()) % 4096 == 0 and k.stride(2) != k.shape[-1]:
         k, v = k.contiguous(), v.contiguous()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     lengths = None if kv_len is None else kv_len.to(torch.int64).contiguous()
-    return _native.attention_f32(q, k, v, out, lengths, causal=causal, scale=scale, q_offset=q_offset,
+    return _native.attention(q, k, v, out, lengths, causal=causal, scale=scale, q_offset=q_offset,
                                  window=window if causal else 0, block_k=block_k, threads=torch.get_num_threads())
 
 

@@ -88,30 +88,63 @@ static inline void value_tile(const float* __restrict pt, int64_t rows, const fl
     for (int c = 0; c < C; ++c) *(vf*)(ot + (d0 + r) * BQ + c * VW) = acc[r][c];
 }
 
-template <int C>
+// fp32 inputs: the query block transposed to qt[d][i], pre-scaled by scale * log2(e) so the softmax runs in base 2;
+// scores and value products as above.
+struct F32 {
+  using T = float;
+
+  template <int C>
+  static void pack_queries(Scratch& s, const float* q, int64_t q_ss, int64_t d_len, int64_t n_q, float qscale) {
+    constexpr int BQ = C * VW;
+    for (int64_t d = 0; d < d_len; ++d) {
+      float* dst = s.qt + d * BQ;
+      for (int64_t i = 0; i < BQ; ++i) dst[i] = i < n_q ? q[i * q_ss + d] * qscale : 0.0f;
+    }
+  }
+
+  // s.st[r][i] = scaled score of key j0 + r for query i, for `tiles` tiles of R keys (rows past `rows` repeat
+  // the block's last key; the caller masks them).
+  template <int C>
+  static void scores(const AttentionArgs& a, Scratch& s, const float* kbase, int64_t rows, int64_t tiles) {
+    const float* krow[R];
+    for (int64_t t = 0; t < tiles; ++t) {
+      for (int r = 0; r < R; ++r) krow[r] = kbase + std::min<int64_t>(t * R + r, rows - 1) * a.k_ss;
+      score_tile<C>(s.qt, a.d, krow, s.st + t * R * C * VW);
+    }
+  }
+
+  template <int C>
+  static void values(const AttentionArgs& a, Scratch& s, const float* vbase, int64_t rows, int64_t, const vf* alpha) {
+    for (int64_t d0 = 0; d0 < a.dv; d0 += R) value_tile<C>(s.st, rows, vbase, a.v_ss, d0, alpha, s.ot);
+  }
+
+  static void store(float* dst, const float* ot, int64_t dv, int64_t stride, float inv) {
+    for (int64_t d = 0; d < dv; ++d) dst[d] = ot[d * stride] * inv;
+  }
+};
+
+// One work item: `Kernel` (F32, or BF16 in attention_bf16_kernel.h) packs queries, computes score tiles and
+// value products; the masking and the online softmax around them are shared.
+template <class Kernel, int C>
 static void attend_block(const AttentionArgs& a, Scratch& s, int64_t b, int64_t h, int64_t i0) {
+  using T = typename Kernel::T;
   constexpr int BQ = C * VW;
-  const int64_t D = a.d, DV = a.dv;
+  const int64_t DV = a.dv;
   const int64_t kvh = h / (a.hq / a.hkv);
   const int64_t n_q = std::min<int64_t>(BQ, a.sq - i0);
   const int64_t kv_len = a.kv_len ? std::max<int64_t>(0, std::min<int64_t>(a.kv_len[b], a.skv)) : a.skv;
-  const float* q = a.q + b * a.q_sb + h * a.q_sh;
-  const float* k = a.k + b * a.k_sb + kvh * a.k_sh;
-  const float* v = a.v + b * a.v_sb + kvh * a.v_sh;
-  float* o = a.o + b * a.o_sb + h * a.o_sh;
+  const T* q = static_cast<const T*>(a.q) + b * a.q_sb + h * a.q_sh;
+  const T* k = static_cast<const T*>(a.k) + b * a.k_sb + kvh * a.k_sh;
+  const T* v = static_cast<const T*>(a.v) + b * a.v_sb + kvh * a.v_sh;
+  T* o = static_cast<T*>(a.o) + b * a.o_sb + h * a.o_sh;
 
   // Keys any query of the block may see: [lo, hi).
   const int64_t first_pos = a.q_offset + i0, last_pos = a.q_offset + i0 + n_q - 1;
   int64_t hi = a.causal ? std::min(kv_len, last_pos + 1) : kv_len;
   int64_t lo = (a.causal && a.window > 0) ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
 
-  // The query block, transposed and pre-scaled by scale * log2(e) so the softmax runs in base 2. Padding
-  // queries (past sq) are zeros: finite scores, never stored.
-  const float qscale = a.scale * 1.4426950408889634f;
-  for (int64_t d = 0; d < D; ++d) {
-    float* dst = s.qt + d * BQ;
-    for (int64_t i = 0; i < BQ; ++i) dst[i] = i < n_q ? q[(i0 + i) * a.q_ss + d] * qscale : 0.0f;
-  }
+  // Padding queries (past sq) are zeros: finite scores, never stored.
+  Kernel::template pack_queries<C>(s, q + i0 * a.q_ss, a.q_ss, a.d, n_q, a.scale * 1.4426950408889634f);
   for (int64_t x = 0; x < DV * BQ; ++x) s.ot[x] = 0.0f;
   vf m[C], l[C], qpos[C];
   for (int c = 0; c < C; ++c) {
@@ -119,18 +152,11 @@ static void attend_block(const AttentionArgs& a, Scratch& s, int64_t b, int64_t 
     l[c] = vf{};
     for (int lane = 0; lane < VW; ++lane) qpos[c][lane] = (float)(a.q_offset + i0 + c * VW + lane);
   }
-  const float* krow[R];
   for (int64_t j0 = lo; j0 < hi; j0 += a.block_k) {
     const int64_t rows = std::min<int64_t>(a.block_k, hi - j0);
     const int64_t tiles = (rows + R - 1) / R;
-    const float* kbase = k + j0 * a.k_ss;
-    const float* vbase = v + j0 * a.v_ss;
-    for (int64_t t = 0; t < tiles; ++t) {
-      for (int r = 0; r < R; ++r)  // rows past the block repeat its last key; they are masked below
-        krow[r] = kbase + std::min<int64_t>(t * R + r, rows - 1) * a.k_ss;
-      score_tile<C>(s.qt, D, krow, s.st + t * R * BQ);
-    }
     const int64_t padded = tiles * R;
+    Kernel::template scores<C>(a, s, k + j0 * a.k_ss, rows, tiles);
     // Mask where the block crosses a boundary: padding rows, the causal diagonal, the window's lower edge.
     const bool crosses = padded != rows || (a.causal && j0 + rows - 1 > first_pos) ||
                          (a.causal && a.window > 0 && j0 <= last_pos - a.window);
@@ -167,7 +193,7 @@ static void attend_block(const AttentionArgs& a, Scratch& s, int64_t b, int64_t 
       l[c] = l[c] * alpha[c] + sum;
       m[c] = mb;
     }
-    for (int64_t d0 = 0; d0 < DV; d0 += R) value_tile<C>(s.st, rows, vbase, a.v_ss, d0, alpha, s.ot);
+    Kernel::template values<C>(a, s, v + j0 * a.v_ss, rows, padded, alpha);
   }
   // Normalise and store; a query that saw no key gets zeros (l == 0).
   float inv[BQ];
@@ -176,13 +202,11 @@ static void attend_block(const AttentionArgs& a, Scratch& s, int64_t b, int64_t 
     const vf r = l[c] > vf{} ? splat(1.0f) / safe : vf{};
     for (int lane = 0; lane < VW; ++lane) inv[c * VW + lane] = r[lane];
   }
-  for (int64_t i = 0; i < n_q; ++i) {
-    float* dst = o + (i0 + i) * a.o_ss;
-    for (int64_t d = 0; d < DV; ++d) dst[d] = s.ot[d * BQ + i] * inv[i];
-  }
+  for (int64_t i = 0; i < n_q; ++i) Kernel::store(o + (i0 + i) * a.o_ss, s.ot + i, DV, BQ, inv[i]);
 }
 
-static void attention(const AttentionArgs& a, int threads) {
+template <class Kernel>
+static void attention_with(const AttentionArgs& a, int threads) {
   const int C = a.sq > 2 * VW ? 3 : a.sq > VW ? 2 : 1;
   const int64_t bq = C * VW;
   const int64_t q_blocks = (a.sq + bq - 1) / bq;
@@ -192,10 +216,12 @@ static void attention(const AttentionArgs& a, int threads) {
                [&](Scratch& s, int64_t item) {
                  const int64_t qb = q_blocks - 1 - item / heads, bh = item % heads;
                  const int64_t b = bh / a.hq, h = bh % a.hq;
-                 if (C == 3) attend_block<3>(a, s, b, h, qb * bq);
-                 else if (C == 2) attend_block<2>(a, s, b, h, qb * bq);
-                 else attend_block<1>(a, s, b, h, qb * bq);
+                 if (C == 3) attend_block<Kernel, 3>(a, s, b, h, qb * bq);
+                 else if (C == 2) attend_block<Kernel, 2>(a, s, b, h, qb * bq);
+                 else attend_block<Kernel, 1>(a, s, b, h, qb * bq);
                });
 }
+
+static void attention(const AttentionArgs& a, int threads) { attention_with<F32>(a, threads); }
 
 }  // namespace TTFTC_NS

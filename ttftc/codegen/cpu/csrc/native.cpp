@@ -13,6 +13,9 @@
 #include <Python.h>
 
 #include <dlfcn.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -26,10 +29,10 @@
 namespace {
 
 struct AttentionArgs {
-  const float* q;
-  const float* k;
-  const float* v;
-  float* o;
+  const void* q;  // fp32, or bf16 for attention_bf16
+  const void* k;
+  const void* v;
+  void* o;
   const int64_t* kv_len;  // per batch row, or null
   int64_t batch, hq, hkv, sq, skv, d, dv;
   int64_t q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss;  // strides in elements
@@ -97,17 +100,21 @@ struct Scratch {
   float* qt = nullptr;
   float* st = nullptr;
   float* ot = nullptr;
+  float* pt = nullptr;  // bf16 kernel: probabilities as bf16 pairs of keys
+  float* vt = nullptr;  // bf16 kernel: values as bf16 pairs of keys
+  float qscale = 1.0f;  // bf16 kernel: applied to the fp32 scores
   void* base = nullptr;
 
   void reserve(int64_t d, int64_t dv, int64_t block_k, int64_t bq, int64_t r) {
     const int64_t rows = (block_k + r - 1) / r * r;
-    const size_t sizes[3] = {size_t(d * bq), size_t(rows * bq), size_t(dv * bq)};
-    float** parts[3] = {&qt, &st, &ot};
+    const size_t sizes[5] = {size_t(d * bq), size_t(rows * bq), size_t(dv * bq), size_t(rows * bq / 2 + bq),
+                             size_t(rows * dv / 2 + dv)};
+    float** parts[5] = {&qt, &st, &ot, &pt, &vt};
     size_t bytes = 0;
     for (size_t n : sizes) bytes += (n * sizeof(float) + 63) / 64 * 64;
     base = std::aligned_alloc(64, bytes);
     char* p = static_cast<char*>(base);
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 5; ++i) {
       *parts[i] = reinterpret_cast<float*>(p);
       p += (sizes[i] * sizeof(float) + 63) / 64 * 64;
     }
@@ -176,11 +183,22 @@ void parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
 #define TTFTC_NS isa_avx512
 #define TTFTC_VW 16
 #define TTFTC_R 8
-#include "attention_kernel.h"
-#include "rows_kernel.h"
-#undef TTFTC_NS
-#undef TTFTC_VW
-#undef TTFTC_R
+#include "isa_kernels.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma")
+#endif
+// AVX-512 with bf16 dot products (AMD Zen 4 and later, Intel Cooper Lake and Sapphire Rapids): every kernel, plus
+// the bf16 attention kernel that only this ISA has.
+#define TTFTC_NS isa_avx512_bf16
+#define TTFTC_VW 16
+#define TTFTC_R 8
+#define TTFTC_BF16_DOT 1
+#include "isa_kernels.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
@@ -193,11 +211,7 @@ void parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
 #define TTFTC_NS isa_avx2
 #define TTFTC_VW 8
 #define TTFTC_R 4
-#include "attention_kernel.h"
-#include "rows_kernel.h"
-#undef TTFTC_NS
-#undef TTFTC_VW
-#undef TTFTC_R
+#include "isa_kernels.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -209,22 +223,18 @@ void parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
 #define TTFTC_NS isa_base
 #define TTFTC_VW 4
 #define TTFTC_R 4
-#include "attention_kernel.h"
-#include "rows_kernel.h"
-#undef TTFTC_NS
-#undef TTFTC_VW
-#undef TTFTC_R
+#include "isa_kernels.h"
 
 namespace {
 
-enum class Isa { base, avx2, avx512 };
+enum class Isa { base, avx2, avx512, avx512_bf16 };
 
 Isa detect_isa() {
 #ifdef TTFTC_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return Isa::avx512;
+    return __builtin_cpu_supports("avx512bf16") ? Isa::avx512_bf16 : Isa::avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
 #endif
   return Isa::base;
@@ -235,6 +245,7 @@ Isa kIsa = kBestIsa;  // set_isa lowers it, so tests reach every version on one 
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::avx512_bf16: return "avx512_bf16";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "base";
@@ -243,10 +254,11 @@ const char* isa_name(Isa isa) {
 
 // Each kernel, indexed by Isa: the base version stands in for the x86 ones elsewhere.
 #ifdef TTFTC_X86
-#define TTFTC_BY_ISA(fn) {isa_base::fn, isa_avx2::fn, isa_avx512::fn}
+#define TTFTC_BY_ISA(fn) {isa_base::fn, isa_avx2::fn, isa_avx512::fn, isa_avx512_bf16::fn}
 #else
-#define TTFTC_BY_ISA(fn) {isa_base::fn, isa_base::fn, isa_base::fn}
+#define TTFTC_BY_ISA(fn) {isa_base::fn, isa_base::fn, isa_base::fn, isa_base::fn}
 #endif
+constexpr int kIsas = 4;
 
 template <class Args>
 using Kernel = void (*)(const Args&, int);
@@ -268,7 +280,7 @@ bool parse_ints(PyObject* args, const char* name, Py_ssize_t count, int64_t* out
 }
 
 template <class Args>
-PyObject* run(const Kernel<Args> (&by_isa)[3], const Args& a, int64_t threads) {
+PyObject* run(const Kernel<Args> (&by_isa)[kIsas], const Args& a, int64_t threads) {
   Py_BEGIN_ALLOW_THREADS
   by_isa[int(kIsa)](a, int(threads));
   Py_END_ALLOW_THREADS
@@ -280,17 +292,18 @@ T* ptr(int64_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-// attention_f32(ints, scale): ints = (q, k, v, o, kv_len or 0 as addresses; batch, hq, hkv, sq, skv, d, dv;
-// q strides b/h/s, k strides, v strides, o strides; causal, q_offset, window, block_k, threads).
-PyObject* attention_f32(PyObject*, PyObject* args) {
-  int64_t x[29];
+// attention(ints, scale): ints = (q, k, v, o, kv_len or 0 as addresses; batch, hq, hkv, sq, skv, d, dv;
+// q strides b/h/s, k strides, v strides, o strides; causal, q_offset, window, block_k, threads, bf16).
+// bf16 needs the avx512_bf16 kernels.
+PyObject* attention(PyObject*, PyObject* args) {
+  int64_t x[30];
   double scale;
-  if (!parse_ints(args, "attention_f32", 29, x, &scale)) return nullptr;
+  if (!parse_ints(args, "attention", 30, x, &scale)) return nullptr;
   AttentionArgs a;
-  a.q = ptr<const float>(x[0]);
-  a.k = ptr<const float>(x[1]);
-  a.v = ptr<const float>(x[2]);
-  a.o = ptr<float>(x[3]);
+  a.q = ptr<const void>(x[0]);
+  a.k = ptr<const void>(x[1]);
+  a.v = ptr<const void>(x[2]);
+  a.o = ptr<void>(x[3]);
   a.kv_len = ptr<const int64_t>(x[4]);
   a.batch = x[5]; a.hq = x[6]; a.hkv = x[7]; a.sq = x[8]; a.skv = x[9]; a.d = x[10]; a.dv = x[11];
   a.q_sb = x[12]; a.q_sh = x[13]; a.q_ss = x[14];
@@ -299,8 +312,18 @@ PyObject* attention_f32(PyObject*, PyObject* args) {
   a.o_sb = x[21]; a.o_sh = x[22]; a.o_ss = x[23];
   a.causal = x[24] != 0; a.q_offset = x[25]; a.window = x[26]; a.block_k = x[27];
   a.scale = float(scale);
-  static const Kernel<AttentionArgs> kernels[3] = TTFTC_BY_ISA(attention);
-  return run(kernels, a, x[28]);
+  if (x[29] == 0) {
+    static const Kernel<AttentionArgs> kernels[kIsas] = TTFTC_BY_ISA(attention);
+    return run(kernels, a, x[28]);
+  }
+#ifdef TTFTC_X86
+  if (kIsa == Isa::avx512_bf16) {
+    static const Kernel<AttentionArgs> kernels[kIsas] = {nullptr, nullptr, nullptr, isa_avx512_bf16::attention_bf16};
+    return run(kernels, a, x[28]);
+  }
+#endif
+  PyErr_Format(PyExc_ValueError, "bf16 attention needs the avx512_bf16 kernels; this process runs %s", isa_name(kIsa));
+  return nullptr;
 }
 
 // quantize_rows(ints) = (x, x_bf16, x_row_stride, q, scale, m, k, threads)
@@ -308,7 +331,7 @@ PyObject* quantize_rows(PyObject*, PyObject* args) {
   int64_t x[8];
   if (!parse_ints(args, "quantize_rows", 8, x, nullptr)) return nullptr;
   QuantArgs a{ptr<const void>(x[0]), x[2], ptr<int8_t>(x[3]), ptr<float>(x[4]), x[5], x[6], x[1] != 0};
-  static const Kernel<QuantArgs> kernels[3] = TTFTC_BY_ISA(quantize_rows_any);
+  static const Kernel<QuantArgs> kernels[kIsas] = TTFTC_BY_ISA(quantize_rows_any);
   return run(kernels, a, x[7]);
 }
 
@@ -321,7 +344,7 @@ PyObject* norm(PyObject*, PyObject* args) {
   NormArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<void>(x[2]), ptr<const void>(x[3]),
              ptr<const void>(x[4]), ptr<int8_t>(x[5]), ptr<float>(x[6]), ptr<void>(x[7]), x[8], x[9],
              x[10] != 0, x[11] != 0, x[12] != 0, x[13] != 0, float(eps)};
-  static const Kernel<NormArgs> kernels[3] = TTFTC_BY_ISA(norm_any);
+  static const Kernel<NormArgs> kernels[kIsas] = TTFTC_BY_ISA(norm_any);
   return run(kernels, a, x[14]);
 }
 
@@ -330,7 +353,7 @@ PyObject* gated_act(PyObject*, PyObject* args) {
   int64_t x[8];
   if (!parse_ints(args, "gated_act", 8, x, nullptr)) return nullptr;
   GatedActArgs a{ptr<const void>(x[0]), x[1], ptr<void>(x[2]), x[3], x[4], int(x[5]), x[6] != 0};
-  static const Kernel<GatedActArgs> kernels[3] = TTFTC_BY_ISA(gated_act_any);
+  static const Kernel<GatedActArgs> kernels[kIsas] = TTFTC_BY_ISA(gated_act_any);
   return run(kernels, a, x[7]);
 }
 
@@ -340,7 +363,7 @@ PyObject* dequant(PyObject*, PyObject* args) {
   if (!parse_ints(args, "dequant", 11, x, nullptr)) return nullptr;
   DequantArgs a{ptr<const int32_t>(x[0]), x[1], ptr<const float>(x[2]), ptr<const float>(x[3]),
                 ptr<const float>(x[4]), ptr<void>(x[5]), x[6], x[7], x[8], x[9] != 0};
-  static const Kernel<DequantArgs> kernels[3] = TTFTC_BY_ISA(dequant_any);
+  static const Kernel<DequantArgs> kernels[kIsas] = TTFTC_BY_ISA(dequant_any);
   return run(kernels, a, x[10]);
 }
 
@@ -350,7 +373,7 @@ PyObject* gated_quant(PyObject*, PyObject* args) {
   if (!parse_ints(args, "gated_quant", 10, x, nullptr)) return nullptr;
   GatedQuantArgs a{ptr<const int32_t>(x[0]), ptr<const float>(x[1]), ptr<const float>(x[2]), ptr<const float>(x[3]),
                    ptr<int8_t>(x[4]), ptr<float>(x[5]), x[6], x[7], int(x[8])};
-  static const Kernel<GatedQuantArgs> kernels[3] = TTFTC_BY_ISA(gated_quant_any);
+  static const Kernel<GatedQuantArgs> kernels[kIsas] = TTFTC_BY_ISA(gated_quant_any);
   return run(kernels, a, x[9]);
 }
 
@@ -371,7 +394,7 @@ PyObject* use_openmp(PyObject*, PyObject* args) {
 PyObject* set_isa(PyObject*, PyObject* args) {
   const char* name;
   if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
-  for (Isa isa : {Isa::base, Isa::avx2, Isa::avx512}) {
+  for (Isa isa : {Isa::base, Isa::avx2, Isa::avx512, Isa::avx512_bf16}) {
     if (std::strcmp(name, isa_name(isa)) != 0) continue;
     if (int(isa) > int(kBestIsa)) {
       PyErr_Format(PyExc_ValueError, "this CPU does not run %s (best: %s)", name, isa_name(kBestIsa));
@@ -381,7 +404,7 @@ PyObject* set_isa(PyObject*, PyObject* args) {
     kIsa = isa;
     return PyUnicode_FromString(previous);
   }
-  PyErr_Format(PyExc_ValueError, "unknown instruction set %s; valid: base, avx2, avx512", name);
+  PyErr_Format(PyExc_ValueError, "unknown instruction set %s; valid: base, avx2, avx512, avx512_bf16", name);
   return nullptr;
 }
 
@@ -391,7 +414,7 @@ PyObject* set_isa(PyObject*, PyObject* args) {
 PyObject* source_digest(PyObject*, PyObject*) { return PyUnicode_FromString(TTFTC_SOURCE_DIGEST); }
 
 PyMethodDef kMethods[] = {
-    {"attention_f32", attention_f32, METH_VARARGS, "Exact fp32 attention forward (see attention_kernel.h)."},
+    {"attention", attention, METH_VARARGS, "Exact attention forward, fp32 or bf16 (attention_kernel.h)."},
     {"quantize_rows", quantize_rows, METH_VARARGS, "Symmetric int8 per row (see rows_kernel.h)."},
     {"norm", norm, METH_VARARGS, "Residual add, RMSNorm/LayerNorm, then int8 per row or the rows (rows_kernel.h)."},
     {"gated_act", gated_act, METH_VARARGS, "act(gate) * up of a gate|up matrix, contiguous (see rows_kernel.h)."},
