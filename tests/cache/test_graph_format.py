@@ -114,6 +114,7 @@ import math  # noqa: E402
 
 from ttftc.cache import graph_format as gf  # noqa: E402
 from ttftc.cache.graph_calls import TENSOR, Ref  # noqa: E402
+from ttftc.cache.schema import SchemaError  # noqa: E402
 
 _IDENTIFIER_RULE = "is not a plain Python identifier (ASCII, not a keyword, no leading '__', not self/torch)"
 _OUTPUT_RULE = "the output node must return one tensor node per declared output (1)"
@@ -536,3 +537,12 @@ def test_the_tagged_value_tables_are_torchs_own_names():
     assert dtypes == gf._DTYPES and dtypes["bfloat16"] is torch.bfloat16 and dtypes["float"] is torch.float32
     assert gf._tagged(torch.layout)["strided"] is torch.strided
     assert gf._tagged(torch.memory_format)["channels_last"] is torch.channels_last
+
+
+def test_the_input_and_output_names_are_fields_of_the_document_itself():
+    # parse_program checks the field set first; called alone, _parse_names names a missing field at the top level
+    with pytest.raises(SchemaError, match=r"^field 'inputs' is missing$"):
+        gf._parse_names({"outputs": ["logits"]})
+    with pytest.raises(SchemaError, match=r"^field 'outputs' is missing$"):
+        gf._parse_names({"inputs": ["input_ids"]})
+    assert gf._parse_names({"inputs": ["input_ids"], "outputs": ["logits"]}) == (("input_ids",), ("logits",))
