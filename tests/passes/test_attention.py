@@ -453,6 +453,7 @@ PROVEN = [
      am.MaskSpec(True, window=2)),
     ("window and-not", _additive(lambda i, j: (j <= i) & ~(j <= i - 4)), am.MaskSpec(True, window=4)),
     ("window as a product", _boolean(lambda i, j: (j <= i) * (j > i - 3)), am.MaskSpec(True, window=3)),
+    ("a product with a size-1 factor", _boolean(lambda i, j: (torch.arange(1)[:, None] >= 0) * (j <= i)), CAUSAL),
     ("window logical_and", _boolean(lambda i, j: torch.logical_and(j <= i, j >= i - 1)), am.MaskSpec(True, window=2)),
     ("shifted window", _boolean(lambda i, j: (j <= i + 2) & (j > i - 1)), am.MaskSpec(True, q_offset=2, window=3)),
     ("diagonal only", _boolean(lambda i, j: j == i), am.MaskSpec(True, window=1)),
@@ -554,6 +555,8 @@ UNPROVEN = [
      "mask takes a floating-point prefix sum (inexact for long sequences)"),
     ("a prefix sum of a ramp", lambda: torch.arange(N).cumsum(0)[None, :] <= torch.arange(N)[:, None],
      "mask takes a prefix sum of a value that is not constant"),
+    ("a boolean times a ramp", _boolean(lambda i, j: (j <= i) * j), "mask multiplies values the prover cannot follow"),
+    ("a boolean times 2", _boolean(lambda i, j: (j <= i) * 2), "mask multiplies values the prover cannot follow"),
     ("a ramp times a float", lambda: (torch.arange(N) * 2.5)[None, :] <= torch.arange(N)[:, None],
      "mask multiplies values the prover cannot follow"),
 ]
