@@ -7,7 +7,7 @@ import torch
 
 from ttftc import zoo
 from ttftc.runtime import PrefillEngine, Sampling
-from ttftc.runtime.kv import RaggedDecodeCache
+from ttftc.runtime.kv import RaggedDecodeCache, RaggedDecodeUnsupported
 from ttftc.runtime.sampling import GREEDY
 
 
@@ -131,7 +131,7 @@ def test_a_model_outside_the_ragged_forward_switches_batched_decode_off(monkeypa
     firsts = [engine.first_token(ids) for ids in batch]
 
     def unsupported(*args, **kwargs):
-        raise NotImplementedError("soft-capping")
+        raise RaggedDecodeUnsupported("soft-capping")
 
     monkeypatch.setattr(engine, "_forward_ragged", unsupported)
     assert engine.decode_batch([(f.kv, f.token, GREEDY, None) for f in firsts]) == [e[1] for e in expected]

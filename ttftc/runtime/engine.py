@@ -46,7 +46,8 @@ from torch.overrides import TorchFunctionMode
 
 from ttftc.buckets.table import bucket_for
 from ttftc.runtime.chunked import ChunkTable, FirstToken, PrefillJob
-from ttftc.runtime.kv import RAGGED_ATTENTION, KVHandle, ModelGeometry, RaggedDecodeCache, unwrap_model
+from ttftc.runtime.kv import (RAGGED_ATTENTION, KVHandle, ModelGeometry, RaggedDecodeCache, RaggedDecodeUnsupported,
+                              unwrap_model)
 from ttftc.runtime.prefix_cache import PrefixCache
 from ttftc.runtime.sampling import GREEDY, Sampling
 
@@ -273,7 +274,7 @@ class PrefillEngine:
             return None
         try:
             logits = self._forward_ragged(handles, tokens)
-        except (NotImplementedError, TypeError) as exc:  # the model is outside what the ragged forward covers
+        except (RaggedDecodeUnsupported, NotImplementedError, TypeError) as exc:  # outside what the ragged forward covers
             self.batched_decode = False
             log.warning("batched decode switched off for %s: %s: %s", type(unwrap_model(self.model)).__name__,
                         type(exc).__name__, exc)

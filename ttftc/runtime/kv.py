@@ -266,20 +266,25 @@ class RaggedDecodeCache:
                 vars(layer).update(state)
 
 
+class RaggedDecodeUnsupported(Exception):
+    """The model uses an attention feature ragged_decode_attention does not compute; the engine then decodes each
+    request in a forward of its own (a capability refusal, not a failure of the forward)."""
+
+
 def ragged_decode_attention(module, query: torch.Tensor, key, value, attention_mask, scaling=None, dropout=0.0,
                             **kwargs):
     """Attention of a one-token decode for rows whose KV differ in length: `key`/`value` are lists of per-row
     [1, kv_heads, n_i, head_dim] tensors from RaggedDecodeCache (the whole KV a row may see: a sliding-window layer
     already keeps only its window). Returns [B, 1, heads, head_dim], as transformers' attention functions do.
 
-    Features it does not implement raise, so the engine falls back to one forward per request instead of
-    computing something else: logit soft-capping, attention sinks, dropout, more than one query per row.
+    Features it does not implement raise RaggedDecodeUnsupported, so the engine falls back to one forward per
+    request instead of computing something else: logit soft-capping, attention sinks, dropout, more than one query per row.
     """
     if not isinstance(key, (list, tuple)) or not isinstance(value, (list, tuple)):
         raise TypeError(f"{RAGGED_ATTENTION} takes the per-row KV lists of a RaggedDecodeCache")
     unsupported = [name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None]
     if dropout or unsupported or query.shape[2] != 1 or len(key) != query.shape[0]:
-        raise NotImplementedError(
+        raise RaggedDecodeUnsupported(
             f"ragged decode attention covers one query per row without dropout, soft-capping or sinks "
             f"(got {query.shape[2]} queries, dropout {dropout}, {unsupported or 'no extras'})")
     rows = []

@@ -80,7 +80,8 @@ def unavailable_reason() -> Optional[str]:
 
 
 def isa() -> Optional[str]:
-    """The instruction set the kernels run with on this CPU ("avx512", "avx2" or "base"), None if unavailable."""
+    """The instruction set the kernels run with on this CPU ("avx512_bf16", "avx512", "avx2" or "base"), None if
+    unavailable."""
     module = _load()[0]
     return module.isa() if module is not None else None
 
