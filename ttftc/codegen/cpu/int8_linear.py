@@ -30,7 +30,8 @@ from ttftc.autotune.space import SearchSpace, register_space
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
 from ttftc.codegen.cpu.ffn import activation_
-from ttftc.codegen.cpu.norm import native_norm_fits, norm_reason, normalize_cpu, residual_add
+from ttftc.codegen.cpu.norm import (native_norm_fits, native_norm_rows, native_residual_out, norm_reason,
+                                    normalize_cpu, residual_add)
 from ttftc.codegen.lowering import register_lowering
 from ttftc.ops.ffn import ACTIVATIONS
 
@@ -205,12 +206,9 @@ def _norm_quant_reason(ctx, x, norm_w, norm_b=None, residual=None, *, kind, eps)
 @register_lowering("norm_quant", "cpu", unsupported_reason=_norm_quant_reason)
 def norm_quant_cpu(x, norm_w, norm_b=None, residual=None, *, kind, eps):
     if native_norm_fits(x, norm_w, norm_b, kind):
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        res = None if residual is None else residual.reshape(rows.shape).contiguous()
-        q, scale, summed = _native.norm_quant(rows, norm_w.contiguous(), None if norm_b is None else norm_b.contiguous(),
-                                              res, layer=kind == "layer", eps=eps)
-        residual_out = x.new_empty(0) if summed is None else summed.view(x.shape)
-        return q.view(x.shape), scale.view(x.shape[:-1]), residual_out
+        q, scale, summed = _native.norm_quant(*native_norm_rows(x, norm_w, norm_b, residual), layer=kind == "layer",
+                                              eps=eps)
+        return q.view(x.shape), scale.view(x.shape[:-1]), native_residual_out(x, summed)
     x, residual_out = residual_add(x, residual)
     normed = normalize_cpu(x, norm_w, norm_b, kind=kind, eps=eps)
     q, scale = quantize_rows(normed.reshape(-1, x.shape[-1]))

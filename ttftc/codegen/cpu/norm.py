@@ -42,15 +42,24 @@ def native_norm_fits(x: torch.Tensor, norm_w, norm_b, kind: str) -> bool:
     return kind == "rms"
 
 
+def native_norm_rows(x: torch.Tensor, norm_w, norm_b, residual):
+    """The native row kernels' operands: x and residual as contiguous [rows, hidden], contiguous weight and bias."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    res = None if residual is None else residual.reshape(rows.shape).contiguous()
+    return rows, norm_w.contiguous(), None if norm_b is None else norm_b.contiguous(), res
+
+
+def native_residual_out(x: torch.Tensor, summed) -> torch.Tensor:
+    """The ttftc.norm residual output from a native kernel's x + residual (None: no residual, an empty tensor)."""
+    return x.new_empty(0) if summed is None else summed.view(x.shape)
+
+
 def add_and_normalize(x: torch.Tensor, norm_w, norm_b, residual, *, kind: str, eps: float):
     """(normalised x + residual, residual_out): the ttftc.norm contract, one pass per row where the native kernel
     takes it."""
     if native_norm_fits(x, norm_w, norm_b, kind):
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        res = None if residual is None else residual.reshape(rows.shape).contiguous()
-        normed, summed = _native.norm(rows, norm_w.contiguous(), None if norm_b is None else norm_b.contiguous(), res,
-                                      layer=kind == "layer", eps=eps)
-        return normed.view(x.shape), (x.new_empty(0) if summed is None else summed.view(x.shape))
+        normed, summed = _native.norm(*native_norm_rows(x, norm_w, norm_b, residual), layer=kind == "layer", eps=eps)
+        return normed.view(x.shape), native_residual_out(x, summed)
     x, residual_out = residual_add(x, residual)
     return normalize_cpu(x, norm_w, norm_b, kind=kind, eps=eps), residual_out
 
