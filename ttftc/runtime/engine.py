@@ -274,7 +274,8 @@ class PrefillEngine:
             return None
         try:
             logits = self._forward_ragged(handles, tokens)
-        except (RaggedDecodeUnsupported, NotImplementedError, TypeError) as exc:  # outside what the ragged forward covers
+        except (RaggedDecodeUnsupported, NotImplementedError, TypeError) as exc:
+            # the model is outside what the ragged forward covers: decode its rows one by one from now on
             self.batched_decode = False
             log.warning("batched decode switched off for %s: %s: %s", type(unwrap_model(self.model)).__name__,
                         type(exc).__name__, exc)

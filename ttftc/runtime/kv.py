@@ -278,7 +278,8 @@ def ragged_decode_attention(module, query: torch.Tensor, key, value, attention_m
     already keeps only its window). Returns [B, 1, heads, head_dim], as transformers' attention functions do.
 
     Features it does not implement raise RaggedDecodeUnsupported, so the engine falls back to one forward per
-    request instead of computing something else: logit soft-capping, attention sinks, dropout, more than one query per row.
+    request instead of computing something else: logit soft-capping, attention sinks, dropout, more than one query
+    per row.
     """
     if not isinstance(key, (list, tuple)) or not isinstance(value, (list, tuple)):
         raise TypeError(f"{RAGGED_ATTENTION} takes the per-row KV lists of a RaggedDecodeCache")

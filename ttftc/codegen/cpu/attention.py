@@ -196,7 +196,7 @@ def _native_attention(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: 
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     lengths = None if kv_len is None else kv_len.to(torch.int64).contiguous()
     return _native.attention(q, k, v, out, lengths, causal=causal, scale=scale, q_offset=q_offset,
-                                 window=window if causal else 0, block_k=block_k, threads=torch.get_num_threads())
+                             window=window if causal else 0, block_k=block_k, threads=torch.get_num_threads())
 
 
 def _attend(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: int, window: int, tuning: dict) -> torch.Tensor:
