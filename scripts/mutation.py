@@ -67,7 +67,7 @@ GROUPS: dict[str, Group] = {
     ),
     "attention-mask": Group(
         ("ttftc/passes/_attention_mask.py",),
-        ("tests/passes/test_attention.py",),
+        ("tests/passes/test_attention_mask.py",),
     ),
     "buckets": Group(
         ("ttftc/buckets/*.py",),

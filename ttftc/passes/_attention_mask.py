@@ -509,7 +509,7 @@ class MaskEvaluator:
         value = _FILLS[t]
         if value is None:  # full / new_full / full_like / scalar_tensor carry the value as an argument
             position = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}.get(t, 0)
-            value = node.args[position]
+            value = self._number(node.args[position])  # a node: computed at run time (from a dynamic size?)
         dtype = gu.val(node).dtype
         if dtype == torch.bool:
             return Bool(("const", bool(value)), ())
@@ -587,8 +587,8 @@ class MaskEvaluator:
         c = _constant_number(x)
         if c is None:
             raise Unprovable("mask takes a prefix sum of a value that is not constant")
-        if c == 0:
-            return Index(Affine.constant(0), ())
+        if c == 0 or rank == 0:  # a 0-dim tensor's prefix sum is its value
+            return Index(Affine.constant(c), ())
         sym = self._new_symbol()
         return Index(Affine.symbol(sym, 1).scale(c), ((sym, axis),))
 

@@ -1,0 +1,263 @@
+"""The attention pass's mask prover on its own: each mask form traced with make_fx and proven (or refused, with
+the reason) without compiling a model, so a mutation run of _attention_mask.py takes seconds per mutant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ttftc.passes import _attention_mask as am
+
+N = 7
+NEG = torch.finfo(torch.float32).min
+_TRIL = torch.tril(torch.ones(16, 16, dtype=torch.bool)).view(1, 1, 16, 16)
+_NOISE = torch.rand(16, 16, generator=torch.Generator().manual_seed(3)) > 0.5
+_TWO_HEADS = _TRIL.expand(1, 2, 16, 16).contiguous()
+_ROW = torch.ones(16, dtype=torch.bool)
+_THREE_VALUES = (torch.tril(torch.ones(16, 16)) + torch.eye(16)).view(1, 16, 16)  # 0 above, 2 on, 1 below the diagonal
+_ZEROS = torch.zeros(1, 1, 16, 16)
+
+
+def _ramps(n=N):
+    """(query positions [n, 1], key positions [1, n])."""
+    ramp = torch.arange(n)
+    return ramp[:, None], ramp[None, :]
+
+
+def _prove(mask_fn, scores=(1, 2, N, N)):
+    """The MaskSpec the prover finds for the mask `mask_fn()` computes, traced as an aten graph."""
+    gm = make_fx(lambda: (mask_fn(),), tracing_mode="real")()
+    (mask,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    additive = mask.meta["val"].dtype.is_floating_point  # a float mask is added to the scores, else it selects
+    pred, dims = am.visible_predicate(am.MaskEvaluator(gm).evaluate(mask), additive=additive)
+    return am.classify_mask(pred, dims, tuple(mask.meta["val"].shape), scores)
+
+
+def _additive(visible):
+    return lambda: torch.where(visible(*_ramps()), 0.0, NEG)
+
+
+def _boolean(visible):
+    return lambda: visible(*_ramps())
+
+
+def _bools(value):
+    return torch.full((N, N), value, dtype=torch.bool)
+
+
+def _cumsum_positions():
+    return torch.ones(N, dtype=torch.long).cumsum(0) - 1
+
+
+CAUSAL = am.MaskSpec(causal=True)
+PROVEN = [
+    ("j <= i", _additive(lambda i, j: j <= i), CAUSAL),
+    ("i >= j", _additive(lambda i, j: i >= j), CAUSAL),
+    ("j < i + 3", _additive(lambda i, j: j < i + 3), am.MaskSpec(True, q_offset=2)),
+    ("i + 2 > j", _additive(lambda i, j: i + 2 > j), am.MaskSpec(True, q_offset=1)),
+    ("j - 1 <= i", _additive(lambda i, j: j - 1 <= i), am.MaskSpec(True, q_offset=1)),
+    ("2j <= 2i + 3 (floor)", _additive(lambda i, j: 2 * j <= 2 * i + 3), am.MaskSpec(True, q_offset=1)),
+    ("2j >= 2i - 3 (ceil) and j <= i", _additive(lambda i, j: (j * 2 >= i * 2 - 3) & (j <= i)),
+     am.MaskSpec(True, window=2)),
+    ("window and-not", _additive(lambda i, j: (j <= i) & ~(j <= i - 4)), am.MaskSpec(True, window=4)),
+    ("window as a product", _boolean(lambda i, j: (j <= i) * (j > i - 3)), am.MaskSpec(True, window=3)),
+    ("a product with a size-1 factor", _boolean(lambda i, j: (torch.arange(1)[:, None] >= 0) * (j <= i)), CAUSAL),
+    ("window logical_and", _boolean(lambda i, j: torch.logical_and(j <= i, j >= i - 1)), am.MaskSpec(True, window=2)),
+    ("shifted window", _boolean(lambda i, j: (j <= i + 2) & (j > i - 1)), am.MaskSpec(True, q_offset=2, window=3)),
+    ("diagonal only", _boolean(lambda i, j: j == i), am.MaskSpec(True, window=1)),
+    ("hidden where or", lambda: torch.zeros(N, N).masked_fill((_ramps()[1] > _ramps()[0]) | (_ramps()[1] < _ramps()[0] - 4),
+                                                             NEG), am.MaskSpec(True, window=5)),
+    ("logical_or of the visible parts", _boolean(lambda i, j: torch.logical_or(j < i, j == i)), CAUSAL),
+    ("masked_fill of a boolean", lambda: torch.ones(N, N, dtype=torch.bool).masked_fill(_ramps()[1] > _ramps()[0],
+                                                                                         False), CAUSAL),
+    ("masked_fill with a hidden base", lambda: torch.zeros(N, N, dtype=torch.bool).masked_fill(
+        _ramps()[1] <= _ramps()[0], True), CAUSAL),
+    ("no mask", lambda: torch.zeros(N, N), am.MaskSpec(causal=False)),
+    ("everything visible", _boolean(lambda i, j: (j <= i) | (j > i)), am.MaskSpec(causal=False)),
+    ("-65504 hides", lambda: torch.where(_ramps()[1] <= _ramps()[0], 0.0, -65504.0), CAUSAL),
+    ("-inf hides", lambda: torch.where(_ramps()[1] <= _ramps()[0], 0.0, float("-inf")), CAUSAL),
+    ("hidden value first", lambda: torch.where(_ramps()[1] > _ramps()[0], NEG, 0.0), CAUSAL),
+    ("plus a zero constant", lambda: _additive(lambda i, j: j <= i)() + 0.0, CAUSAL),
+    ("a zero constant plus", lambda: torch.zeros(N, N) + _additive(lambda i, j: j <= i)(), CAUSAL),
+    ("zeros minus a 0-or-1e9 mask", lambda: torch.zeros(N, N) - torch.where(_ramps()[1] <= _ramps()[0], 0.0, 1e9),
+     CAUSAL),
+    ("triu of a full matrix", lambda: torch.full((N, N), NEG).triu(1), CAUSAL),
+    ("tril of ones", lambda: torch.ones(N, N, dtype=torch.bool).tril(), CAUSAL),
+    ("tril(2) of ones", lambda: torch.ones(N, N, dtype=torch.bool).tril(2), am.MaskSpec(True, q_offset=2)),
+    ("tril & triu(-2)", lambda: torch.ones(N, N, dtype=torch.bool).tril() & torch.ones(N, N, dtype=torch.bool).triu(-2),
+     am.MaskSpec(True, window=3)),
+    ("float triu of -inf", lambda: torch.full((N, N), float("-inf")).triu(1), CAUSAL),
+    ("a tril bool buffer sliced", lambda: _TRIL[:, :, :N, :N], CAUSAL),
+    ("a tril uint8 buffer", lambda: _TRIL.to(torch.uint8)[:, :, :N, :N], CAUSAL),
+    ("a float buffer 0 on the lower triangle", lambda: torch.where(_TRIL, 0.0, NEG)[:, :, :N, :N], CAUSAL),
+    ("a buffer of ones", lambda: torch.ones(1, 1, 16, 16, dtype=torch.bool)[:, :, :N, :N], am.MaskSpec(False)),
+    ("positions from a cumsum", lambda: _cumsum_positions()[None, :] <= _cumsum_positions()[:, None], CAUSAL),
+    ("positions offset by a slice", lambda: torch.arange(N)[None, :] <= torch.arange(N + 4)[2:2 + N, None],
+     am.MaskSpec(True, q_offset=2)),
+    ("positions gathered", lambda: torch.arange(N)[torch.arange(N)][None, :] <= torch.arange(N)[:, None], CAUSAL),
+    ("positions concatenated", lambda: torch.cat([torch.arange(3), torch.arange(3, N)])[None, :] <= torch.arange(
+        N)[:, None], CAUSAL),
+    ("arange(start, end)", lambda: torch.arange(1, N + 1)[None, :] <= torch.arange(2, N + 2)[:, None],
+     am.MaskSpec(True, q_offset=1)),
+    ("viewed to 4 dims", lambda: _boolean(lambda i, j: j <= i)().view(1, 1, N, N), CAUSAL),
+    ("expanded over heads", lambda: _boolean(lambda i, j: j <= i)()[None, None].expand(1, 2, N, N), CAUSAL),
+    ("unsqueezed from the right", lambda: torch.arange(N)[None, :] <= torch.arange(N).unsqueeze(-1), CAUSAL),
+    # An or with a True constant is everything; an or of constants is a constant (so tril may take it).
+    ("a true constant or a mask", _boolean(lambda i, j: torch.ones(N, N, dtype=torch.bool) | (j <= i)),
+     am.MaskSpec(False)),
+    ("a mask or a true constant", _boolean(lambda i, j: (j <= i) | torch.ones(N, N, dtype=torch.bool)),
+     am.MaskSpec(False)),
+    ("tril of false or true", lambda: (_bools(False) | _bools(True)).tril(), CAUSAL),
+    ("tril of true or false", lambda: (_bools(True) | _bools(False)).tril(), CAUSAL),
+    # The constant operand scaled by alpha, or the mask negated by a subtraction: 0 where visible either way.
+    ("a mask plus alpha x a constant", lambda: torch.add(torch.where(_ramps()[1] <= _ramps()[0], 2e5, 0.0),
+                                                         torch.full((N, N), -1e5), alpha=2), CAUSAL),
+    ("a constant minus a mask", lambda: torch.full((N, N), 1e5) - torch.where(_ramps()[1] <= _ramps()[0], 1e5, 2e5),
+     CAUSAL),
+    ("masked_fill of a zero buffer", lambda: _ZEROS[:, :, :N, :N].masked_fill(_ramps()[1] > _ramps()[0], NEG), CAUSAL),
+    # A batch position on a size-1 axis that the view removes is 0 there (else the mask would shift).
+    ("a size-1 batch axis viewed away", lambda: (torch.arange(N)[None, None, :] <= torch.arange(N)[None, :, None]
+                                                 + torch.arange(1)[:, None, None]).view(N, N), CAUSAL),
+    ("an offset from a 0-dim prefix sum", lambda: torch.arange(N)[None, :] <= torch.arange(N)[:, None] + torch.ones(
+        (), dtype=torch.long).cumsum(0), am.MaskSpec(True, q_offset=1)),
+]
+
+
+@pytest.mark.parametrize("name,mask_fn,expected", PROVEN, ids=[p[0] for p in PROVEN])
+def test_the_prover_finds_the_mask_of_each_form(name, mask_fn, expected):
+    assert _prove(mask_fn) == expected
+
+
+def _hidden_offsets(*runs):
+    return f"the mask is neither causal nor a sliding window (key-query offsets {', '.join(runs)})"
+
+
+_SHIFTED = "the causal diagonal is shifted by -1: early rows would see no key"
+UNPROVEN = [
+    ("an arange with a step", lambda: torch.arange(0, 2 * N, 2)[None, :] <= torch.arange(N)[:, None],
+     "mask uses an arange with a step other than 1"),
+    ("anti-causal", _boolean(lambda i, j: j >= i), _hidden_offsets("[None, -1]:hidden", "[0, None]:visible")),
+    ("all but the diagonal", _boolean(lambda i, j: j != i),
+     _hidden_offsets("[None, -1]:visible", "[0, 0]:hidden", "[1, None]:visible")),
+    ("strictly causal", _boolean(lambda i, j: j < i), _SHIFTED),
+    ("a window below the diagonal", _boolean(lambda i, j: (j <= i - 1) & (j > i - 3)), _SHIFTED),
+    ("every key hidden by the values", lambda: torch.where(_ramps()[1] <= _ramps()[0], NEG, NEG),
+     "the mask hides every key"),
+    ("every key hidden by the formula", _boolean(lambda i, j: (j <= i) & (j > i)), "the mask hides every key"),
+    ("a false constant", lambda: torch.zeros(N, N, dtype=torch.bool), "the mask hides every key"),
+    ("a soft mask", lambda: torch.where(_ramps()[1] <= _ramps()[0], 0.0, -1.0),
+     "the mask adds -1, neither 0 nor a masking value <= -65504"),
+    ("just above the limit", lambda: torch.where(_ramps()[1] <= _ramps()[0], 0.0, -65503.0),
+     "the mask adds -65503, neither 0 nor a masking value <= -65504"),
+    ("+inf", lambda: torch.where(_ramps()[1] <= _ramps()[0], 0.0, float("inf")),
+     "the mask adds inf, neither 0 nor a masking value <= -65504"),
+    ("a boolean turned into 1.0/0.0", lambda: (_ramps()[1] <= _ramps()[0]).to(torch.float32),
+     "the mask adds 1, neither 0 nor a masking value <= -65504"),
+    ("1e9 added with the wrong sign", lambda: torch.zeros(N, N) + torch.where(_ramps()[1] <= _ramps()[0], 0.0, 1e9),
+     "the mask adds 1e+09, neither 0 nor a masking value <= -65504"),
+    ("per-batch positions", lambda: torch.arange(N)[None, None, :] <= torch.arange(N)[None, :, None] + torch.arange(
+        2)[:, None, None], "the mask varies over the batch or head dimension"),
+    ("j <= 2i", _boolean(lambda i, j: j <= 2 * i), "the mask is not a function of (key index - query index)"),
+    ("a strided slice", lambda: torch.arange(2 * N)[::2][None, :] <= torch.arange(N)[:, None],
+     "mask is sliced with a step"),
+    ("a reshape across dimensions", lambda: torch.arange(N * N).view(N, N) <= 3, "mask is reshaped across dimensions"),
+    ("two float masks added", lambda: _additive(lambda i, j: j <= i)() + _additive(lambda i, j: j > i - 3)(),
+     "mask adds two non-constant float masks"),
+    ("pieces that are not one ramp", lambda: torch.cat([torch.arange(3), torch.arange(N - 3)])[None, :] <= torch.arange(
+        N)[:, None], "mask concatenates pieces that are not one ramp"),
+    ("a gather that may be negative", lambda: torch.arange(N)[torch.arange(N) * -1 + (N - 1)][None, :] <= torch.arange(
+        N)[:, None], "mask indexes with a value that may be negative"),
+    ("triu of a mask", lambda: _boolean(lambda i, j: j <= i)().triu(), "triu/tril of a non-constant tensor"),
+    ("a constant that is not triangular", lambda: _NOISE[:N, :N], "mask reads a constant that is not triangular"),
+    ("a constant with three values", lambda: _THREE_VALUES[:, :N, :N],
+     "mask reads a constant with more than two distinct values"),
+    ("a constant row", lambda: _ROW[None, :N] <= torch.arange(N)[:, None],
+     "mask reads a constant that is not a [.., 1, rows, cols] matrix"),
+    ("a constant over two heads", lambda: _TWO_HEADS[..., :N, :N],
+     "mask reads a constant that is not a [.., 1, rows, cols] matrix"),
+    ("an op the prover does not know", lambda: torch.arange(N).abs()[None, :] <= torch.arange(N)[:, None],
+     "mask uses aten.abs, which the mask prover does not know"),
+    ("a float prefix sum", lambda: (torch.ones(N).cumsum(0)[None, :] <= torch.ones(N).cumsum(0)[:, None]),
+     "mask takes a floating-point prefix sum (inexact for long sequences)"),
+    ("a prefix sum of a ramp", lambda: torch.arange(N).cumsum(0)[None, :] <= torch.arange(N)[:, None],
+     "mask takes a prefix sum of a value that is not constant"),
+    ("a boolean times a ramp", _boolean(lambda i, j: (j <= i) * j), "mask multiplies values the prover cannot follow"),
+    ("a boolean times 2", _boolean(lambda i, j: (j <= i) * 2), "mask multiplies values the prover cannot follow"),
+    ("a ramp times a float", lambda: (torch.arange(N) * 2.5)[None, :] <= torch.arange(N)[:, None],
+     "mask multiplies values the prover cannot follow"),
+    ("an index plus a float mask", lambda: torch.arange(N)[None, :] + _additive(lambda i, j: j <= i)(),
+     "mask adds an index to a float mask"),
+    ("masked_fill of a float mask", lambda: _additive(lambda i, j: j <= i)().masked_fill(
+        _ramps()[1] < _ramps()[0] - 2, NEG), "masked_fill on a non-constant tensor"),
+    ("masked_fill of a boolean mask", lambda: _boolean(lambda i, j: j <= i)().masked_fill(
+        _ramps()[1] < _ramps()[0] - 2, False), "masked_fill on a non-constant tensor"),
+    ("masked_fill of a ramp", lambda: torch.arange(N)[None, :].masked_fill(_ramps()[1] > _ramps()[0], 0) <= _ramps()[0],
+     "masked_fill on a non-constant tensor"),
+    # The mask is computed for query position 0 only ([1, N]) and broadcast to every row: it does not follow i.
+    ("a row mask broadcast over the queries", lambda: torch.zeros(N, N).masked_fill(
+        torch.arange(N)[None, :] > torch.arange(1)[:, None] + 2, NEG),
+     "the mask is not a function of (key index - query index)"),
+    ("a reshape that splits an empty ramp", lambda: torch.arange(0).view(0, 5), "mask is reshaped across dimensions"),
+]
+
+
+@pytest.mark.parametrize("name,mask_fn,reason", UNPROVEN, ids=[u[0] for u in UNPROVEN])
+def test_the_prover_refuses_what_it_cannot_prove_with_the_reason(name, mask_fn, reason):
+    with pytest.raises(am.Unprovable) as raised:
+        _prove(mask_fn)
+    assert str(raised.value) == reason
+
+
+@pytest.mark.parametrize("value, additive, reason", [
+    (am.Bool(("const", True), ()), True, "a boolean mask is added to the scores"),
+    (am.Select(("const", True), 0.0, 0.0, ()), False, "a float mask is used as a boolean mask"),
+    (am.Index(am.Affine.constant(0), ()), True, "the mask is an index tensor, not a mask"),
+    (am.Index(am.Affine.constant(0), ()), False, "the mask is an index tensor, not a mask"),
+])
+def test_a_mask_value_of_the_wrong_kind_is_refused(value, additive, reason):
+    with pytest.raises(am.Unprovable) as raised:
+        am.visible_predicate(value, additive=additive)
+    assert str(raised.value) == reason
+
+
+@pytest.mark.parametrize("mask_fn, scores, reason", [
+    (_boolean(lambda i, j: j <= i), (1, 2, N, N + 1), "the mask's key axis is not the key length"),
+    (_boolean(lambda i, j: j <= i), (1, 2, N + 1, N), "the mask's query axis is not the query length"),
+    (lambda: _boolean(lambda i, j: j <= i)().view(1, 1, 1, N, N), (1, 2, N, N),
+     "the mask has more dimensions than the scores"),
+    (lambda: _boolean(lambda i, j: j <= i)().view(1, 1, 1, N, N), (1, 1, 2, N, N), "the mask has more than 4 dimensions"),
+])
+def test_the_mask_must_fit_the_scores(mask_fn, scores, reason):
+    with pytest.raises(am.Unprovable) as raised:
+        _prove(mask_fn, scores)
+    assert str(raised.value) == reason
+
+
+def test_a_size_one_query_axis_that_the_scores_keep_is_the_query_index():
+    # One query row (the last prompt position, q_offset N-1): its position symbol stands for the query index 0.
+    last = lambda: torch.arange(N)[None, :] <= torch.arange(N - 1, N)[:, None]  # noqa: E731
+    assert _prove(last, (1, 2, 1, N)) == am.MaskSpec(True, q_offset=N - 1)
+
+
+def test_a_fill_value_computed_at_run_time_is_refused():
+    # -1e5 x the sequence length: a scalar node of a dynamic-shape graph, not a number the prover can read.
+    def mask(x):
+        ramp = torch.arange(x.shape[0])
+        return (torch.where(ramp[None, :] <= ramp[:, None], 0.0, x.shape[0] * -1e5),)
+
+    gm = make_fx(mask, tracing_mode="symbolic")(torch.zeros(N))
+    (where,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    with pytest.raises(am.Unprovable) as raised:
+        am.MaskEvaluator(gm).evaluate(where)
+    assert str(raised.value) == "mask uses a non-constant scalar mul"
+
+
+def test_masked_fill_with_a_non_boolean_mask_is_refused():
+    # torch refuses such a mask when tracing, so the graph is rewired: the key positions become the mask.
+    gm = make_fx(lambda: (torch.zeros(N, N).masked_fill(_ramps()[1] > _ramps()[0], NEG),), tracing_mode="real")()
+    fill = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.masked_fill.Scalar)
+    fill.args = (fill.args[0], fill.args[1].args[0], fill.args[2])
+    with pytest.raises(am.Unprovable) as raised:
+        am.MaskEvaluator(gm).evaluate(fill)
+    assert str(raised.value) == "masked_fill with a non-boolean mask"
