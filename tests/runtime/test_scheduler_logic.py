@@ -610,6 +610,23 @@ def test_a_chunked_prompt_takes_the_budget_left_and_a_short_one_waits_to_run_who
     assert (stats.decode_tokens, stats.prefill_tokens) == (0, 100) and prefills(engine)[5:] == [(1, 100)]
 
 
+
+def test_the_leftover_rule_at_its_bounds():
+    # 40 left, more than min_chunk 36, but a prompt of exactly one chunk is not chunked: it waits to run whole.
+    engine = FakeEngine()
+    s = scheduler(engine, budget=100, chunk_size=64, min_chunk=36)
+    s.submit(Request(prompt(1, 64)))
+    s.submit(Request(prompt(2, 60)))
+    s.step()
+    assert prefills(engine) == [(2, 60)]
+    # 36 left, exactly min_chunk: enough for a chunk of a prompt longer than one chunk.
+    engine = FakeEngine()
+    s = scheduler(engine, budget=100, chunk_size=64, min_chunk=36)
+    s.submit(Request(prompt(1, 200)))
+    s.submit(Request(prompt(2, 64)))
+    s.step()
+    assert prefills(engine) == [(2, 64), (1, 36)]
+
 def test_the_leftover_rule_applies_to_chunked_scheduling_only():
     engine = FakeEngine()
     s = scheduler(engine, budget=100, min_chunk=1)  # no chunking: prompts run whole or not at all
