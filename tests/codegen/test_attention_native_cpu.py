@@ -73,10 +73,10 @@ def isa_and_dtype(request):
     _native.set_isa(previous)
 
 
-def _run(q, k, v, kv_len=None, *, causal, q_offset=0, window=0, block_k=128, threads=2):
+def _run(q, k, v, kv_len=None, *, causal, q_offset=0, window=0, block_k=128, threads=2, pack_kv=False):
     out = torch.empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1], dtype=q.dtype).transpose(1, 2)
     return _native.attention(q, k, v, out, kv_len, causal=causal, scale=SCALE, q_offset=q_offset,
-                                 window=window, block_k=block_k, threads=threads)
+                             window=window, block_k=block_k, threads=threads, pack_kv=pack_kv)
 
 
 CASES = [  # b, hq, hkv, sq, skv, d, dv, causal, q_offset, window, kv_len
@@ -96,14 +96,17 @@ CASES = [  # b, hq, hkv, sq, skv, d, dv, causal, q_offset, window, kv_len
 ]
 
 
+@pytest.mark.parametrize("pack_kv", [False, True], ids=["in-place", "packed"])
 @pytest.mark.parametrize("block_k", [5, 32, 128])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:10])))
-def test_matches_the_fp64_reference(isa_and_dtype, case, block_k):
+def test_matches_the_fp64_reference(isa_and_dtype, case, block_k, pack_kv):
+    """pack_kv (fp32: K and V copied into tile order first; bf16 ignores it) meets the same reference: key counts
+    that end mid-tile, windows that start mid-tile, offsets and per-sequence lengths included."""
     _, dtype = isa_and_dtype
     b, hq, hkv, sq, skv, d, dv, causal, q_offset, window, lengths = case
     q, k, v = _qkv(b, hq, hkv, sq, skv, d, dv, dtype=dtype)
     kv_len = None if lengths is None else torch.tensor(lengths)
-    out = _run(q, k, v, kv_len, causal=causal, q_offset=q_offset, window=window, block_k=block_k)
+    out = _run(q, k, v, kv_len, causal=causal, q_offset=q_offset, window=window, block_k=block_k, pack_kv=pack_kv)
     expected = _reference(q, k, v, kv_len, causal=causal, q_offset=q_offset, window=window)
     assert out.dtype == dtype
     tol = TOLERANCE[dtype]
@@ -119,7 +122,7 @@ def test_bf16_needs_the_avx512_bf16_kernels(native_isa):
         with pytest.raises(ValueError, match="avx512_bf16"):
             _native._load()[0].attention((q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr(), 0, 1, 2, 2, 20, 20,
                                           16, 16, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *q.stride()[:3],
-                                          1, 0, 0, 32, 1, 1), 0.25)
+                                          1, 0, 0, 32, 1, 1, 0), 0.25)
 
 
 def test_large_scores_stay_finite_and_exact():
@@ -140,16 +143,18 @@ def test_results_do_not_depend_on_the_thread_count():
     assert torch.equal(one, three)
 
 
-def test_rows_four_kib_apart_are_copied_and_still_exact(monkeypatch):
-    """16 interleaved heads of 64 fp32 put K/V rows 4 KiB apart; the lowering copies them to [B, H, S, D] first."""
+@pytest.mark.parametrize("heads, queries, packed", [(16, 128, True), (16, 127, False), (8, 200, False)])
+def test_the_lowering_packs_kv_rows_four_kib_apart_for_enough_queries(monkeypatch, heads, queries, packed):
+    """16 interleaved fp32 heads of 64 put K/V rows 4 KiB apart, in the same L1 sets: the lowering has the kernel copy
+    them into tile order once 128 queries (rows x heads per kv head) read each key; 8 heads (2 KiB) read in place."""
     monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", "native")
-    q, k, v = _qkv(1, 16, 16, 40, 40, 64, seed=6)
-    assert k.stride(2) * 4 == 4096
+    q, k, v = _qkv(1, heads, heads, queries, queries, 64, seed=6)
+    assert (k.stride(2) * 4 % 4096 == 0) == (heads == 16)
     seen = []
     real = _native.attention
-    monkeypatch.setattr(_native, "attention", lambda q, k, v, *a, **kw: seen.append(k.stride(2)) or real(q, k, v, *a, **kw))
+    monkeypatch.setattr(_native, "attention", lambda *a, **kw: seen.append(kw["pack_kv"]) or real(*a, **kw))
     out = attention_cpu(q, k, v, causal=True, scale=SCALE)
-    assert seen == [64]
+    assert seen == [packed]
     torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
 
 

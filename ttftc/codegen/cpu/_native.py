@@ -124,13 +124,14 @@ def attention_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optio
 
 
 def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int, window: int, block_k: int,
-              threads: int) -> torch.Tensor:
+              threads: int, pack_kv: bool = False) -> torch.Tensor:
     """out[b, h] = softmax(q[b, h] k[b, h // group]^T * scale, masked) v[b, h // group], written into `out`.
 
     q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv], out [B, Hq, Sq, Dv]: any strides with the last
     dimension contiguous. Query i sits at key position q_offset + i; causal hides keys after it, window (> 0,
     causal only) keys at or before q_offset + i - window, kv_len[b] (int64, optional) keys from kv_len[b] on.
-    A query that sees no key gets zeros.
+    A query that sees no key gets zeros. pack_kv (fp32 only; ignored for bf16): copy K and V into the kernel's
+    tile order first, into a buffer the calling thread keeps for the next call (up to 64 MiB).
     """
     reason = attention_reason(q, k, v)
     if reason is not None:
@@ -149,7 +150,8 @@ def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int
         return out
     ints = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if kv_len is None else kv_len.data_ptr(),
             b, hq, hkv, sq, skv, d, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            int(bool(causal)), int(q_offset), int(window), int(block_k), int(threads), int(q.dtype == torch.bfloat16))
+            int(bool(causal)), int(q_offset), int(window), int(block_k), int(threads), int(q.dtype == torch.bfloat16),
+            int(bool(pack_kv)))
     _call("attention", ints, float(scale))
     return out
 

@@ -32,8 +32,8 @@ struct BF16 {
   static void pack_queries(Scratch& s, const uint16_t* q, int64_t q_ss, int64_t d_len, int64_t n_q, float qscale) {
     constexpr int BQ = C * VW;
     uint32_t* qp = reinterpret_cast<uint32_t*>(s.qt);
-    for (int64_t d2 = 0; d2 < d_len / 2; ++d2)
-      for (int64_t i = 0; i < BQ; ++i) {
+    for (int64_t i = 0; i < BQ; ++i)  // query by query, as the fp32 kernel packs (L1 sets)
+      for (int64_t d2 = 0; d2 < d_len / 2; ++d2) {
         uint32_t pair = 0;
         if (i < n_q) std::memcpy(&pair, q + i * q_ss + 2 * d2, sizeof pair);
         qp[d2 * BQ + i] = pair;

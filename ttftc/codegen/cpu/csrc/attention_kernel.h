@@ -26,31 +26,36 @@ typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
 static inline vf splat(float x) { return x - vf{}; }
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
-// 2^x for x in [-126, 126] (clamped outside), to about 1 ulp: x = n + f with n an integer and |f| <= 1/2,
-// 2^f from its degree-7 Taylor polynomial (truncation error below 6e-9 relative), 2^n from the exponent bits.
-static inline vf exp2_clamped(vf x) {
-  vf xc = vmax(x, splat(-126.0f));
-  xc = xc < 126.0f ? xc : splat(126.0f);
-  vf n = (xc + 12582912.0f) - 12582912.0f;  // round to nearest integer (|x| < 2^22), no libm call
-  vf f = xc - n;
-  vf p = splat(1.5252734e-05f);
-  p = p * f + 1.5403530e-04f;
-  p = p * f + 1.3333558e-03f;
-  p = p * f + 9.6181291e-03f;
-  p = p * f + 5.5504109e-02f;
-  p = p * f + 2.4022651e-01f;
+// 2^x for x in [-127, 126], to about 1 ulp: x = n + f with n an integer and |f| <= 1/2, 2^f from a degree-6
+// polynomial (least-maximum relative error, 1.0e-7 in fp32 arithmetic), 2^n from the exponent bits. At n = -127
+// the exponent field is 0 and the result exactly 0.
+static inline vf exp2_in_range(vf x) {
+  const vf n = (x + 12582912.0f) - 12582912.0f;  // round to nearest integer (|x| < 2^22), no libm call
+  const vf f = x - n;
+  vf p = splat(1.5345811e-04f);
+  p = p * f + 1.3399931e-03f;
+  p = p * f + 9.6184891e-03f;
+  p = p * f + 5.5503286e-02f;
+  p = p * f + 2.4022646e-01f;
   p = p * f + 6.9314718e-01f;
   p = p * f + 1.0f;
-  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
   return p * (vf)e;
 }
 
-// 2^x for x <= 0 (every softmax argument is a difference from a running maximum); below -126 the result is
-// flushed to 0, which also maps -inf (a masked score) to exactly 0.
-static inline vf exp2_nonpositive(vf x) { return x < -126.0f ? vf{} : exp2_clamped(x); }
+// 2^x clamped to [2^-126, 2^126].
+static inline vf exp2_clamped(vf x) {
+  const vf low = vmax(x, splat(-126.0f));
+  return exp2_in_range(low < 126.0f ? low : splat(126.0f));
+}
 
-// st[r][c] = sum_d qt[d][c] * krow[r][d]: a tile of R keys x C query vectors.
-template <int C>
+// 2^x for x <= 0 (every softmax argument is a difference from a running maximum). The one clamp at -127 flushes
+// what would be subnormal to 0 and maps -inf (a masked score) to 0.
+static inline vf exp2_nonpositive(vf x) { return exp2_in_range(vmax(x, splat(-127.0f))); }
+
+// st[r][c] = sum_d qt[d][c] * k(r, d): a tile of R keys x C query vectors, k(r, d) = krow[r][d * KSTEP] (key rows
+// read in place: KSTEP 1; packed tiles: krow[r] = tile + r, KSTEP R).
+template <int C, int KSTEP>
 static inline void score_tile(const float* __restrict qt, int64_t d_len, const float* const* krow,
                               float* __restrict st) {
   constexpr int BQ = C * VW;
@@ -59,7 +64,7 @@ static inline void score_tile(const float* __restrict qt, int64_t d_len, const f
     vf qv[C];
     for (int c = 0; c < C; ++c) qv[c] = *(const vf*)(qt + d * BQ + c * VW);
     for (int r = 0; r < R; ++r) {
-      vf kb = splat(krow[r][d]);
+      vf kb = splat(krow[r][d * KSTEP]);
       for (int c = 0; c < C; ++c) acc[r][c] += kb * qv[c];
     }
   }
@@ -67,15 +72,16 @@ static inline void score_tile(const float* __restrict qt, int64_t d_len, const f
     for (int c = 0; c < C; ++c) *(vf*)(st + r * BQ + c * VW) = acc[r][c];
 }
 
-// ot[d0 + r][c] = ot[d0 + r][c] * alpha[c] + sum_j pt[j][c] * v[j][d0 + r]: R output columns x C query vectors.
+// ot[d0 + r][c] = ot[d0 + r][c] * alpha[c] + sum_j pt[j][c] * v[j][d0 + r]: R output columns x C query vectors;
+// vcols points at v[0][d0], key j's columns at vcols + j * v_stride.
 template <int C>
-static inline void value_tile(const float* __restrict pt, int64_t rows, const float* vbase, int64_t v_stride,
+static inline void value_tile(const float* __restrict pt, int64_t rows, const float* vcols, int64_t v_stride,
                               int64_t d0, const vf* alpha, float* __restrict ot) {
   constexpr int BQ = C * VW;
   vf acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = *(const vf*)(ot + (d0 + r) * BQ + c * VW) * alpha[c];
-  const float* vrow = vbase + d0;
+  const float* vrow = vcols;
   for (int64_t j = 0; j < rows; ++j, vrow += v_stride) {
     vf pv[C];
     for (int c = 0; c < C; ++c) pv[c] = *(const vf*)(pt + j * BQ + c * VW);
@@ -96,9 +102,11 @@ struct F32 {
   template <int C>
   static void pack_queries(Scratch& s, const float* q, int64_t q_ss, int64_t d_len, int64_t n_q, float qscale) {
     constexpr int BQ = C * VW;
-    for (int64_t d = 0; d < d_len; ++d) {
-      float* dst = s.qt + d * BQ;
-      for (int64_t i = 0; i < BQ; ++i) dst[i] = i < n_q ? q[i * q_ss + d] * qscale : 0.0f;
+    // Query by query: each source row is read front to back once; rows 4 KiB apart would evict each other from
+    // L1 if the block were read column by column.
+    for (int64_t i = 0; i < BQ; ++i) {
+      const float* row = q + i * q_ss;
+      for (int64_t d = 0; d < d_len; ++d) s.qt[d * BQ + i] = i < n_q ? row[d] * qscale : 0.0f;
     }
   }
 
@@ -109,19 +117,76 @@ struct F32 {
     const float* krow[R];
     for (int64_t t = 0; t < tiles; ++t) {
       for (int r = 0; r < R; ++r) krow[r] = kbase + std::min<int64_t>(t * R + r, rows - 1) * a.k_ss;
-      score_tile<C>(s.qt, a.d, krow, s.st + t * R * C * VW);
+      score_tile<C, 1>(s.qt, a.d, krow, s.st + t * R * C * VW);
     }
   }
 
   template <int C>
   static void values(const AttentionArgs& a, Scratch& s, const float* vbase, int64_t rows, int64_t, const vf* alpha) {
-    for (int64_t d0 = 0; d0 < a.dv; d0 += R) value_tile<C>(s.st, rows, vbase, a.v_ss, d0, alpha, s.ot);
+    for (int64_t d0 = 0; d0 < a.dv; d0 += R) value_tile<C>(s.st, rows, vbase + d0, a.v_ss, d0, alpha, s.ot);
   }
 
   static void store(float* dst, const float* ot, int64_t dv, int64_t stride, float inv) {
     for (int64_t d = 0; d < dv; ++d) dst[d] = ot[d * stride] * inv;
   }
 };
+
+// fp32 with K and V copied once per call into register-tile order (pack_kv below): a score tile reads its R keys
+// as kp[d][r], a value tile its R output columns as vp[panel][j][r], both front to back. Read in place, rows of
+// 16 interleaved heads of 64 floats lie 4 KiB apart and share L1 sets, so the tiles evict each other.
+struct F32Packed : F32 {
+  template <int C>
+  static void scores(const AttentionArgs& a, Scratch& s, const float* kbase, int64_t, int64_t tiles) {
+    const float* krow[R];
+    for (int64_t t = 0; t < tiles; ++t) {
+      for (int r = 0; r < R; ++r) krow[r] = kbase + t * R * a.d + r;
+      score_tile<C, R>(s.qt, a.d, krow, s.st + t * R * C * VW);
+    }
+  }
+
+  template <int C>
+  static void values(const AttentionArgs& a, Scratch& s, const float* vbase, int64_t rows, int64_t, const vf* alpha) {
+    for (int64_t d0 = 0; d0 < a.dv; d0 += R)
+      value_tile<C>(s.st, rows, vbase + d0 / R * a.v_panel, R, d0, alpha, s.ot);
+  }
+};
+
+// K of every (batch, kv head) as tiles [key / R][d][key % R], V as panels [d / R][key][d % R]; keys past skv in
+// the last tile are zeros (their scores are finite, and masked). Returns the arguments that read the copies.
+static AttentionArgs pack_kv(const AttentionArgs& a, float* kp, float* vp, int threads) {
+  const int64_t tiles = (a.skv + R - 1) / R, k_head = tiles * R * a.d, panel = tiles * R * R, v_head = tiles * R * a.dv;
+  parallel_for<int>(a.batch * a.hkv, threads, [](int&) {}, [&](int&, int64_t bh) {
+    const int64_t b = bh / a.hkv, h = bh % a.hkv;
+    const float* k = static_cast<const float*>(a.k) + b * a.k_sb + h * a.k_sh;
+    const float* v = static_cast<const float*>(a.v) + b * a.v_sb + h * a.v_sh;
+    float* kh = kp + bh * k_head;
+    float* vh = vp + bh * v_head;
+    // Tile by tile, so the writes of R keys stay within one K tile and R-key runs of each V panel.
+    for (int64_t t = 0; t < tiles; ++t) {
+      float* kt = kh + t * R * a.d;
+      for (int r = 0; r < R; ++r) {
+        const int64_t j = t * R + r;
+        for (int64_t d = 0; d < a.d; ++d) kt[d * R + r] = j < a.skv ? k[j * a.k_ss + d] : 0.0f;
+      }
+      for (int64_t p0 = 0; p0 < a.dv; p0 += R) {
+        float* vt = vh + p0 / R * panel + t * R * R;
+        for (int r = 0; r < R && t * R + r < a.skv; ++r)
+          for (int c = 0; c < R; ++c) vt[r * R + c] = v[(t * R + r) * a.v_ss + p0 + c];
+      }
+    }
+  });
+  AttentionArgs p = a;
+  p.k = kp;
+  p.k_sb = a.hkv * k_head;
+  p.k_sh = k_head;
+  p.k_ss = a.d;  // key j0 (a multiple of R) starts tile j0 / R
+  p.v = vp;
+  p.v_sb = a.hkv * v_head;
+  p.v_sh = v_head;
+  p.v_ss = R;  // key j's R values of panel 0
+  p.v_panel = panel;
+  return p;
+}
 
 // One work item: `Kernel` (F32, or BF16 in attention_bf16_kernel.h) packs queries, computes score tiles and
 // value products; the masking and the online softmax around them are shared.
@@ -142,7 +207,14 @@ static void attend_block(const AttentionArgs& a, Scratch& s, int64_t b, int64_t 
   const int64_t first_pos = a.q_offset + i0, last_pos = a.q_offset + i0 + n_q - 1;
   int64_t hi = a.causal ? std::min(kv_len, last_pos + 1) : kv_len;
   int64_t lo = (a.causal && a.window > 0) ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+  lo -= lo % R;  // blocks start on a register tile (packed K); the keys below the window this adds are masked
 
+  // The block's query rows lie a head-interleaved row apart (often 4 KiB, a page): no hardware prefetcher follows
+  // them, so request every line at once rather than one row's misses after another's.
+  const char* q_rows = reinterpret_cast<const char*>(q + i0 * a.q_ss);
+  for (int64_t i = 0; i < n_q; ++i)
+    for (int64_t byte = 0; byte < a.d * int64_t(sizeof(T)); byte += 64)
+      __builtin_prefetch(q_rows + i * a.q_ss * int64_t(sizeof(T)) + byte);
   // Padding queries (past sq) are zeros: finite scores, never stored.
   Kernel::template pack_queries<C>(s, q + i0 * a.q_ss, a.q_ss, a.d, n_q, a.scale * 1.4426950408889634f);
   for (int64_t x = 0; x < DV * BQ; ++x) s.ot[x] = 0.0f;
@@ -222,6 +294,19 @@ static void attention_with(const AttentionArgs& a, int threads) {
                });
 }
 
-static void attention(const AttentionArgs& a, int threads) { attention_with<F32>(a, threads); }
+// fp32: with a.pack_kv, K and V are first copied into tile order (the caller decides when that pays).
+static void attention(const AttentionArgs& a, int threads) {
+  const int64_t tiles = (a.skv + R - 1) / R;
+  PackedKV& buffer = packed_kv_buffer();
+  float* base = a.pack_kv ? buffer.reserve(size_t(a.batch * a.hkv * tiles * R * (a.d + a.dv))) : nullptr;
+  if (base == nullptr) {  // not asked to, or out of memory for the copy: read in place
+    attention_with<F32>(a, threads);
+    return;
+  }
+  AttentionArgs p = pack_kv(a, base, base + a.batch * a.hkv * tiles * R * a.d, threads);
+  p.block_k = std::max<int64_t>(R, p.block_k / R * R);  // every block starts a K tile
+  attention_with<F32Packed>(p, threads);
+  buffer.trim();
+}
 
 }  // namespace TTFTC_NS

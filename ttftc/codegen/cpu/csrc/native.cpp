@@ -39,7 +39,40 @@ struct AttentionArgs {
   float scale;
   bool causal;
   int64_t q_offset, window, block_k;
+  bool pack_kv = false;  // fp32: copy K and V into tile order first (attention_kernel.h, F32Packed)
+  int64_t v_panel = 0;   // packed V: elements from one panel of value columns to the next
 };
+
+// The calling thread's K/V copy of the last attention call, kept so the next call (the next layer) reuses the pages
+// instead of faulting in fresh ones (a fresh 16 MiB buffer cost more than the copy itself); trim() returns buffers
+// above kKeepBytes to the system.
+struct PackedKV {
+  static constexpr size_t kKeepBytes = size_t(64) << 20;
+  float* data = nullptr;
+  size_t capacity = 0;
+
+  float* reserve(size_t floats) {
+    if (floats > capacity) {
+      std::free(data);
+      data = static_cast<float*>(std::aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64));
+      capacity = data ? floats : 0;
+    }
+    return data;
+  }
+  void trim() {
+    if (capacity * sizeof(float) > kKeepBytes) {
+      std::free(data);
+      data = nullptr;
+      capacity = 0;
+    }
+  }
+  ~PackedKV() { std::free(data); }
+};
+
+PackedKV& packed_kv_buffer() {
+  static thread_local PackedKV buffer;
+  return buffer;
+}
 
 struct QuantArgs {
   const void* x;  // fp32 or bf16 (x_bf16)
@@ -293,12 +326,12 @@ T* ptr(int64_t address) {
 }
 
 // attention(ints, scale): ints = (q, k, v, o, kv_len or 0 as addresses; batch, hq, hkv, sq, skv, d, dv;
-// q strides b/h/s, k strides, v strides, o strides; causal, q_offset, window, block_k, threads, bf16).
+// q strides b/h/s, k strides, v strides, o strides; causal, q_offset, window, block_k, threads, bf16, pack_kv).
 // bf16 needs the avx512_bf16 kernels.
 PyObject* attention(PyObject*, PyObject* args) {
-  int64_t x[30];
+  int64_t x[31];
   double scale;
-  if (!parse_ints(args, "attention", 30, x, &scale)) return nullptr;
+  if (!parse_ints(args, "attention", 31, x, &scale)) return nullptr;
   AttentionArgs a;
   a.q = ptr<const void>(x[0]);
   a.k = ptr<const void>(x[1]);
@@ -312,6 +345,7 @@ PyObject* attention(PyObject*, PyObject* args) {
   a.o_sb = x[21]; a.o_sh = x[22]; a.o_ss = x[23];
   a.causal = x[24] != 0; a.q_offset = x[25]; a.window = x[26]; a.block_k = x[27];
   a.scale = float(scale);
+  a.pack_kv = x[30] != 0;
   if (x[29] == 0) {
     static const Kernel<AttentionArgs> kernels[kIsas] = TTFTC_BY_ISA(attention);
     return run(kernels, a, x[28]);
