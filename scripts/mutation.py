@@ -143,6 +143,14 @@ def prepare(name: str, fresh: bool) -> Path:
             shutil.copy2(entry, target)
     pyproject = root / "pyproject.toml"
     pyproject.write_text(_with_group_config(pyproject.read_text(), GROUPS[name]))
+    # mutmut refreshes only the .py files of its own copy (mutants/): the native extension and its C++ sources there
+    # would stay as at the first run, and a rebuilt extension's Python side would call a stale binary.
+    if (root / "mutants").is_dir():
+        for path in (REPO / "ttftc").rglob("*"):
+            if path.is_file() and path.suffix not in (".py", ".pyc"):
+                target = root / "mutants" / path.relative_to(REPO)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target)
     return root
 
 

@@ -257,18 +257,39 @@ def test_shortest_remaining_first_and_arrival_order_breaks_ties():
     assert prefills(engine)[2:] == [(1, 6), (3, 6)]
 
 
+def _long_prompt_served(engine, s, steps) -> list[bool]:
+    """Per step, whether prompt 1 got a chunk, while a short prompt arrives every step (served first, then the
+    long prompt's chunk of 8 does not fit the 4 left)."""
+    served = []
+    for step in range(steps):
+        s.submit(Request(prompt(100 + step, 6)))
+        before = len(engine.calls)
+        s.step()
+        served.append(any(c[:2] == ("advance", 1) for c in engine.calls[before:]))
+    return served
+
+
 def test_a_prefill_skipped_for_max_skipped_steps_in_a_row_goes_first():
     engine = FakeEngine()
     s = scheduler(engine, budget=10, chunk_size=8, max_skipped_steps=2)
     s.submit(Request(prompt(1, 40)))
-    served = []
-    for step in range(8):
-        s.submit(Request(prompt(100 + step, 6)))  # a short prompt every step: served first, then 8 > 4 left
-        before = len(engine.calls)
-        s.step()
-        served.append(any(c[:2] == ("advance", 1) for c in engine.calls[before:]))
+    served = _long_prompt_served(engine, s, 8)
     # Skipped twice, then it goes first (and the short prompt of that step waits); the counter starts over.
     assert served == [False, False, True, False, False, True, False, False]
+
+
+def test_by_default_a_prefill_goes_first_after_4_skips_and_a_leftover_of_32_tokens_is_taken():
+    engine = FakeEngine()
+    s = scheduler(engine, budget=10, chunk_size=8)
+    s.submit(Request(prompt(1, 80)))
+    assert _long_prompt_served(engine, s, 10) == [False] * 4 + [True] + [False] * 4 + [True]
+    for left, planned in ((32, [(2, 68), (1, 32)]), (31, [(2, 69)])):
+        engine = FakeEngine()
+        s = scheduler(engine, budget=100, chunk_size=100)
+        s.submit(Request(prompt(1, 400)))
+        s.submit(Request(prompt(2, 100 - left)))
+        s.step()
+        assert prefills(engine) == planned
 
 
 def test_a_prefill_that_could_not_be_admitted_is_not_counted_as_skipped():
