@@ -174,7 +174,10 @@ def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool, minutes
               retest_timeouts: bool = False) -> int:
     root = prepare(name, fresh)
     mutmut = shutil.which("mutmut") or str(Path(sys.executable).with_name("mutmut"))
-    env = {**os.environ, "PYTHONPATH": ""}  # the copy, not the checkout, is what the tests import
+    # PYTHONPATH: the copy, not the checkout, is what the tests import. OMP_NUM_THREADS=1: mutmut forks each mutant
+    # from a server that collected the tests; a test module whose import ran a parallel op (torch.tril of a 16x16
+    # constant) left an OpenMP team there, and every child that ran a parallel op waited on it until its timeout.
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
     # mutmut keeps a result until the mutated function changes; after new tests, name the survivors to retry them
     # (with the mutants that no test reached: the new tests may reach them). A timeout can be the machine's doing:
     # besides its CPU-time limit, mutmut stops a mutant after (estimated time + 2 s) x timeout_multiplier of wall

@@ -17,6 +17,12 @@ _TWO_HEADS = _TRIL.expand(1, 2, 16, 16).contiguous()
 _ROW = torch.ones(16, dtype=torch.bool)
 _THREE_VALUES = (torch.tril(torch.ones(16, 16)) + torch.eye(16)).view(1, 16, 16)  # 0 above, 2 on, 1 below the diagonal
 _ZEROS = torch.zeros(1, 1, 16, 16)
+_NEGS = torch.full((1, 1, 16, 16), NEG)
+_ONES = torch.ones(16, 16, dtype=torch.bool)
+_HIDE_ABOVE = ~_TRIL[0, 0]  # True above the diagonal: the keys a masked_fill hides
+_CAUSAL_ADDITIVE = torch.where(_TRIL, 0.0, NEG)
+_WIDE_TRIL = torch.tril(torch.ones(8, 16, dtype=torch.bool))  # more keys than queries
+_SCALAR_NEG, _SCALAR_TRUE = torch.tensor(NEG), torch.tensor(True)
 
 
 def _ramps(n=N):
@@ -25,10 +31,16 @@ def _ramps(n=N):
     return ramp[:, None], ramp[None, :]
 
 
+def _traced(mask_fn):
+    """(graph module, the output node) of `mask_fn()` traced as an aten graph."""
+    gm = make_fx(lambda: (mask_fn(),), tracing_mode="real")()
+    (node,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return gm, node
+
+
 def _prove(mask_fn, scores=(1, 2, N, N)):
     """The MaskSpec the prover finds for the mask `mask_fn()` computes, traced as an aten graph."""
-    gm = make_fx(lambda: (mask_fn(),), tracing_mode="real")()
-    (mask,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    gm, mask = _traced(mask_fn)
     additive = mask.meta["val"].dtype.is_floating_point  # a float mask is added to the scores, else it selects
     pred, dims = am.visible_predicate(am.MaskEvaluator(gm).evaluate(mask), additive=additive)
     return am.classify_mask(pred, dims, tuple(mask.meta["val"].shape), scores)
@@ -41,6 +53,11 @@ def _additive(visible):
 def _boolean(visible):
     return lambda: visible(*_ramps())
 
+
+def _seq_ids(step):
+    """A prefix sum of `diff(positions) != step` over N + 1 consecutive positions (N values)."""
+    positions = torch.arange(N + 1)
+    return ((positions[1:] - positions[:-1]) != step).cumsum(0)
 
 def _bools(value):
     return torch.full((N, N), value, dtype=torch.bool)
@@ -119,6 +136,41 @@ PROVEN = [
     # A batch position on a size-1 axis that the view removes is 0 there (else the mask would shift).
     ("a size-1 batch axis viewed away", lambda: (torch.arange(N)[None, None, :] <= torch.arange(N)[None, :, None]
                                                  + torch.arange(1)[:, None, None]).view(N, N), CAUSAL),
+    # Concatenation along a named axis, of pieces with a constant offset or with a second (row) position.
+    ("positions concatenated along dim 1", lambda: torch.cat([torch.arange(3)[None, :], torch.arange(3, N)[None, :]],
+                                                             1) <= torch.arange(N)[:, None], CAUSAL),
+    ("positions concatenated along dim -1", lambda: torch.cat([torch.arange(3)[None, :], torch.arange(3, N)[None, :]],
+                                                              -1) <= torch.arange(N)[:, None], CAUSAL),
+    ("positions from 1 concatenated", lambda: torch.cat([torch.arange(1, 4), torch.arange(4, N + 1)])[None, :]
+     <= torch.arange(1, N + 1)[:, None], CAUSAL),
+    ("i - j split by key and concatenated", lambda: torch.cat([_ramps()[0] - _ramps()[1][:, :3], _ramps()[0]
+                                                               - _ramps()[1][:, 3:]], 1) >= 0, CAUSAL),
+    # A key ramp minus a row position on a size-1 axis that expand widens: the row position is 0 on every row.
+    ("an expanded row of key positions", lambda: (torch.arange(N)[None, :] - torch.arange(1)[:, None]).expand(N, N)
+     <= torch.arange(N)[:, None], CAUSAL),
+    # HF's packed-sequence ids: a prefix sum of `diff(positions) != 1`, all 0 for consecutive positions.
+    ("packed-sequence ids of consecutive positions", lambda: (_seq_ids(1)[None, :] == _seq_ids(1)[:, None])
+     & (_ramps()[1] <= _ramps()[0]), CAUSAL),
+    ("a prefix sum of a comparison that holds", lambda: _seq_ids(2)[None, :] <= _seq_ids(2)[:, None], CAUSAL),
+    ("a prefix sum over dim -1", lambda: torch.ones(N, dtype=torch.long).cumsum(-1)[None, :]
+     <= torch.ones(N, dtype=torch.long).cumsum(-1)[:, None], CAUSAL),
+    ("a prefix sum of ones is 1-based", lambda: torch.ones(N, dtype=torch.long).cumsum(0)[None, :]
+     <= torch.arange(1, N + 1)[:, None], CAUSAL),
+    # Index tensors broadcast against each other: a size-1 axis of one is position 0 along the other's.
+    ("j - i gathered at broadcast positions", lambda: (_ramps()[1] - _ramps()[0])[
+        torch.arange(N)[:, None] + torch.arange(1)[None, :], torch.arange(N)[None, :]] <= 0, CAUSAL),
+    # Substituting into a compound predicate: a window (and, not) sliced by 2 on both axes is the same window.
+    ("a window sliced", lambda: (lambda i, j: ((j <= i) & ~(j <= i - 3))[2:, 2:])(*_ramps(N + 2)),
+     am.MaskSpec(True, window=3)),
+    # Buffers: true above the diagonal as masked_fill's mask, a float 0/min one, a wide one, 0-dim ones, one value.
+    ("masked_fill by a buffer true above the diagonal", lambda: torch.zeros(N, N).masked_fill(
+        _HIDE_ABOVE[:N, :N], NEG), CAUSAL),
+    ("a float buffer sliced", lambda: _CAUSAL_ADDITIVE[:, :, :N, :N], CAUSAL),
+    ("a wide tril buffer sliced", lambda: _WIDE_TRIL[:N, :N], CAUSAL),
+    ("a 0-dim float buffer as the hidden value", lambda: torch.where(_ramps()[1] <= _ramps()[0], 0.0, _SCALAR_NEG),
+     CAUSAL),
+    ("a mask and a 0-dim true buffer", _boolean(lambda i, j: (j <= i) & _SCALAR_TRUE), CAUSAL),
+    ("tril of a one-valued buffer and ones", lambda: (_ONES[:N, :N] & _bools(True)).tril(), CAUSAL),
     ("an offset from a 0-dim prefix sum", lambda: torch.arange(N)[None, :] <= torch.arange(N)[:, None] + torch.ones(
         (), dtype=torch.long).cumsum(0), am.MaskSpec(True, q_offset=1)),
 ]
@@ -198,6 +250,28 @@ UNPROVEN = [
     ("a row mask broadcast over the queries", lambda: torch.zeros(N, N).masked_fill(
         torch.arange(N)[None, :] > torch.arange(1)[:, None] + 2, NEG),
      "the mask is not a function of (key index - query index)"),
+    ("booleans concatenated", lambda: torch.cat([(_ramps()[1] <= _ramps()[0])[:, :3], (_ramps()[1] <= _ramps()[0])[
+        :, 3:]], 1), "mask concatenates non-index values"),
+    ("an empty 1-d piece beside a 2-d one", lambda: torch.cat([torch.arange(0), torch.arange(N)[None, :]], 1)
+     <= torch.arange(N)[:, None], "mask concatenates tensors of different ranks"),
+    ("rows gathered, columns not", lambda: _ramps()[0].expand(N, N)[torch.arange(N)] <= _ramps()[1],
+     "mask indexes some dimensions only, or with None"),
+    ("a boolean index", lambda: torch.arange(N)[torch.arange(N) >= 0][None, :] <= torch.arange(N)[:, None],
+     "mask indexes with a non-integer tensor"),
+    ("an index of zeros", lambda: torch.arange(N)[torch.zeros(N, dtype=torch.long)][None, :] <= torch.arange(N)[:, None],
+     "mask indexes with a value that is not an index ramp"),
+    # triu/tril take a constant with no position of its own: not a float mask, not a comparison, not a buffer.
+    ("triu of a float mask", lambda: _additive(lambda i, j: j <= i)().triu(), "triu/tril of a non-constant tensor"),
+    ("triu of a comparison of constants", lambda: (torch.full((N, N), 3) <= 2).triu(),
+     "triu/tril of a non-constant tensor"),
+    ("triu of a constant buffer", lambda: _NEGS[:, :, :N, :N].triu(1), "triu/tril of a non-constant tensor"),
+    # And with a false constant hides everything; an and of constants is a constant (tril takes it).
+    ("a false constant and a mask", _boolean(lambda i, j: _bools(False) & (j <= i)), "the mask hides every key"),
+    ("tril of true and false", lambda: (_bools(True) & _bools(False)).tril(), "the mask hides every key"),
+    ("tril of false and true", lambda: (_bools(False) & _bools(True)).tril(), "the mask hides every key"),
+    # An and whose [1, N] operand compares with row position 0 (broadcast): j >= 0 reads the key index alone.
+    ("a mask and a broadcast row", _boolean(lambda i, j: (torch.arange(N)[None, :] >= torch.arange(1)[:, None])
+                                             & (j <= i)), "the mask is not a function of (key index - query index)"),
     ("a reshape that splits an empty ramp", lambda: torch.arange(0).view(0, 5), "mask is reshaped across dimensions"),
 ]
 
@@ -240,17 +314,22 @@ def test_a_size_one_query_axis_that_the_scores_keep_is_the_query_index():
     assert _prove(last, (1, 2, 1, N)) == am.MaskSpec(True, q_offset=N - 1)
 
 
-def test_a_fill_value_computed_at_run_time_is_refused():
-    # -1e5 x the sequence length: a scalar node of a dynamic-shape graph, not a number the prover can read.
-    def mask(x):
-        ramp = torch.arange(x.shape[0])
-        return (torch.where(ramp[None, :] <= ramp[:, None], 0.0, x.shape[0] * -1e5),)
+def _fill_by_length(n):
+    ramp = torch.arange(n)
+    return torch.where(ramp[None, :] <= ramp[:, None], 0.0, n * -1e5)
 
-    gm = make_fx(mask, tracing_mode="symbolic")(torch.zeros(N))
-    (where,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+@pytest.mark.parametrize("mask_fn, reason", [
+    # -1e5 x the sequence length: a scalar node of a dynamic-shape graph, not a number the prover can read.
+    (_fill_by_length, "mask uses a non-constant scalar mul"),
+    (lambda n: torch.full((n, n), NEG).triu(n - 5), "triu/tril with a non-constant diagonal"),
+], ids=["fill value", "diagonal"])
+def test_a_scalar_computed_from_the_length_at_run_time_is_refused(mask_fn, reason):
+    gm = make_fx(lambda x: (mask_fn(x.shape[0]),), tracing_mode="symbolic")(torch.zeros(N))
+    (mask,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     with pytest.raises(am.Unprovable) as raised:
-        am.MaskEvaluator(gm).evaluate(where)
-    assert str(raised.value) == "mask uses a non-constant scalar mul"
+        am.MaskEvaluator(gm).evaluate(mask)
+    assert str(raised.value) == reason
 
 
 def test_masked_fill_with_a_non_boolean_mask_is_refused():
@@ -261,3 +340,51 @@ def test_masked_fill_with_a_non_boolean_mask_is_refused():
     with pytest.raises(am.Unprovable) as raised:
         am.MaskEvaluator(gm).evaluate(fill)
     assert str(raised.value) == "masked_fill with a non-boolean mask"
+
+
+def _value(mask_fn):
+    gm, node = _traced(mask_fn)
+    return am.MaskEvaluator(gm).evaluate(node)
+
+
+@pytest.mark.parametrize("convert", [
+    lambda m: m.to(torch.float32),  # aten._to_copy, the dtype a keyword
+    lambda m: torch.ops.prims.convert_element_type(m, torch.float32),  # Inductor's convert, the dtype positional
+], ids=["to", "prims convert"])
+def test_a_boolean_converted_to_float_is_one_where_it_holds_and_zero_elsewhere(convert):
+    visible = lambda: _ramps()[1] <= _ramps()[0]  # noqa: E731
+    assert _value(lambda: convert(visible())) == _value(lambda: torch.where(visible(), 1.0, 0.0))
+
+
+@pytest.mark.parametrize("op, mask_fn, expected", [
+    (torch.ops.aten.cat.default, lambda: torch.cat([torch.arange(3)[None, :], torch.arange(3, N)[None, :]], 1), 0),
+    (torch.ops.aten.cumsum.default, lambda: torch.ones(1, N, dtype=torch.long).cumsum(1), 1),
+], ids=["cat", "cumsum"])
+def test_the_dimension_may_be_a_keyword(op, mask_fn, expected):
+    # The ramp along the last axis: 0, 1, ... for the concatenated positions, 1, 2, ... for the prefix sum.
+    gm, node = _traced(mask_fn)
+    (found,) = [n for n in gm.graph.nodes if n.target is op]
+    found.args, found.kwargs = found.args[:1], {"dim": found.args[1]}
+    value = am.MaskEvaluator(gm).evaluate(found)
+    ((symbol, axis),) = value.dims
+    assert axis == -1 and value.value == am.Affine.symbol(symbol, expected)
+
+
+def test_cat_refuses_a_piece_with_a_position_on_no_dimension():
+    # No traced op makes such a value; the guard keeps a bookkeeping slip from becoming a wrong ramp.
+    gm, node = _traced(lambda: torch.cat([torch.arange(3), torch.arange(3, N)]))
+    evaluator = am.MaskEvaluator(gm)
+    first = node.args[0][0]
+    evaluator._memo[first] = am.Index(am.Affine.symbol(100) + am.Affine.symbol(101), ((100, -1),))
+    with pytest.raises(am.Unprovable) as raised:
+        evaluator.evaluate(node)
+    assert str(raised.value) == "mask concatenates a value with a symbol on no dimension"
+
+
+def test_a_buffer_that_is_not_a_frozen_constant_is_refused():
+    gm, node = _traced(lambda: _TRIL[:, :, :N, :N])
+    (buffer,) = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    delattr(gm, buffer.target)  # e.g. a parameter left out of the frozen constants
+    with pytest.raises(am.Unprovable) as raised:
+        am.MaskEvaluator(gm).evaluate(node)
+    assert str(raised.value) == f"mask reads {buffer.target}, which is not a frozen constant"
