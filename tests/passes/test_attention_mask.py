@@ -4,6 +4,7 @@ the reason) without compiling a model, so a mutation run of _attention_mask.py t
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -18,6 +19,7 @@ _ROW = torch.ones(16, dtype=torch.bool)
 _THREE_VALUES = (torch.tril(torch.ones(16, 16)) + torch.eye(16)).view(1, 16, 16)  # 0 above, 2 on, 1 below the diagonal
 _ZEROS = torch.zeros(1, 1, 16, 16)
 _NEGS = torch.full((1, 1, 16, 16), NEG)
+_ZERO_ROWS, _NEG_ROWS = torch.zeros(16, 16), torch.full((16, 16), NEG)  # 2-d constant buffers
 _ONES = torch.ones(16, 16, dtype=torch.bool)
 _HIDE_ABOVE = ~_TRIL[0, 0]  # True above the diagonal: the keys a masked_fill hides
 _CAUSAL_ADDITIVE = torch.where(_TRIL, 0.0, NEG)
@@ -58,6 +60,9 @@ def _seq_ids(step):
     """A prefix sum of `diff(positions) != step` over N + 1 consecutive positions (N values)."""
     positions = torch.arange(N + 1)
     return ((positions[1:] - positions[:-1]) != step).cumsum(0)
+
+def _iota(start, step):
+    return torch.ops.prims.iota(N, start=start, step=step, dtype=torch.int64, device="cpu", requires_grad=False)
 
 def _bools(value):
     return torch.full((N, N), value, dtype=torch.bool)
@@ -171,6 +176,29 @@ PROVEN = [
      CAUSAL),
     ("a mask and a 0-dim true buffer", _boolean(lambda i, j: (j <= i) & _SCALAR_TRUE), CAUSAL),
     ("tril of a one-valued buffer and ones", lambda: (_ONES[:N, :N] & _bools(True)).tril(), CAUSAL),
+    # Index arithmetic: alpha scales the second operand; a [1, N] operand's row position is 0 once broadcast.
+    ("2j plus -2 x i", lambda: torch.add(torch.arange(N)[None, :] * 2, torch.arange(N)[:, None], alpha=-2) <= 0,
+     CAUSAL),
+    ("j plus row 0, minus i", lambda: torch.arange(N)[None, :] + torch.arange(1)[:, None] - torch.arange(N)[:, None]
+     <= 0, CAUSAL),
+    ("an offset ramp times 2", lambda: ((torch.arange(N) + 3) * 2)[None, :] <= torch.arange(N)[:, None] * 2 + 6,
+     CAUSAL),
+    ("a ramp times 0 is 0", lambda: (torch.arange(N) * 0 + torch.arange(N))[None, :] <= torch.arange(N)[:, None],
+     CAUSAL),
+    # A constant term (3 > 2, true) beside the window: slicing substitutes positions it does not hold.
+    ("a mask with a constant term sliced", lambda: (lambda i, j: ((j <= i) & (torch.full((N + 2, N + 2), 3) > 2))[
+        2:, 2:])(*_ramps(N + 2)), CAUSAL),
+    ("where between new_full and full_like", lambda: torch.where(
+        _ramps()[1] <= _ramps()[0], torch.zeros(N, N).new_full((N, N), 0.0),
+        torch.full_like(torch.zeros(N, N), NEG)), CAUSAL),
+    ("where between buffers", lambda: torch.where(_ramps()[1] <= _ramps()[0], _ZERO_ROWS[:N, :N], NEG), CAUSAL),
+    ("where between 0 and a buffer", lambda: torch.where(_ramps()[1] <= _ramps()[0], 0.0, _NEG_ROWS[:N, :N]),
+     CAUSAL),
+    ("a float mask viewed to 4 dims", lambda: _additive(lambda i, j: j <= i)().view(1, 1, N, N), CAUSAL),
+    ("a float mask unsqueezed", lambda: _additive(lambda i, j: j <= i)()[None], CAUSAL),
+    ("Inductor's iota from 2", lambda: _iota(2, 1)[None, :] <= torch.arange(2, N + 2)[:, None], CAUSAL),
+    ("j plus row 0 compared with i", lambda: torch.arange(N)[None, :] + torch.arange(1)[:, None]
+     <= torch.arange(N)[:, None], CAUSAL),
     ("an offset from a 0-dim prefix sum", lambda: torch.arange(N)[None, :] <= torch.arange(N)[:, None] + torch.ones(
         (), dtype=torch.long).cumsum(0), am.MaskSpec(True, q_offset=1)),
 ]
@@ -272,6 +300,33 @@ UNPROVEN = [
     # An and whose [1, N] operand compares with row position 0 (broadcast): j >= 0 reads the key index alone.
     ("a mask and a broadcast row", _boolean(lambda i, j: (torch.arange(N)[None, :] >= torch.arange(1)[:, None])
                                              & (j <= i)), "the mask is not a function of (key index - query index)"),
+    ("float ramps added with a fractional alpha", lambda: torch.add(torch.arange(N, dtype=torch.float32)[None, :],
+                                                                     torch.arange(N, dtype=torch.float32)[:, None],
+                                                                     alpha=0.5) <= 0,
+     "mask arithmetic with a non-integer alpha"),
+    ("a boolean plus a ramp", lambda: (_ramps()[1] <= _ramps()[0]) + torch.arange(N)[None, :] <= 3,
+     "mask arithmetic on a non-index value (le)"),
+    # A [1, N] mask whose row position (size 1, widened by the scores) is 0: j <= 3 reads the key index alone.
+    ("a key bound with row position 0", lambda: torch.arange(N)[None, :] <= torch.arange(1)[:, None] + 3,
+     "the mask is not a function of (key index - query index)"),
+    ("0 where a false constant holds", lambda: torch.where(_bools(False), 0.0, NEG), "the mask hides every key"),
+    ("a boolean where", lambda: torch.where(_ramps()[1] <= _ramps()[0], _bools(True), _bools(False)),
+     "a float mask is used as a boolean mask"),
+    ("where with a selected operand", lambda: torch.where(_ramps()[1] <= _ramps()[0], 0.0, torch.where(
+        _bools(False), 0.0, NEG)), "mask selects between non-constant values (where)"),
+    ("a negative slice start", lambda: torch.arange(N + 2)[-N:][None, :] <= torch.arange(N)[:, None],
+     "mask is sliced from a negative start"),
+    ("where by a key row broadcast over the queries", lambda: torch.where(
+        torch.arange(N)[None, :] <= torch.arange(1)[:, None] + 2, torch.zeros(N, N), NEG),
+     "the mask is not a function of (key index - query index)"),
+    ("Inductor's iota with a step", lambda: _iota(0, 2)[None, :] <= torch.arange(N)[:, None],
+     "mask uses an arange with a step other than 1"),
+    ("a gather by one ramp on both axes", lambda: (lambda r: (_ramps()[1] - _ramps()[0])[r[:, None], r[None, :]] <= 0)(
+        torch.arange(N)), "a position symbol sits on two different dimensions"),
+    ("a ramp difference compared with True", lambda: torch.arange(N)[None, :] - torch.arange(N)[:, None] <= True,
+     "mask arithmetic on a boolean scalar"),
+    ("a ramp plus 2.5", lambda: torch.arange(N)[None, :] <= torch.arange(N)[:, None] + 2.5,
+     "mask arithmetic with a non-integer scalar 2.5"),
     ("a reshape that splits an empty ramp", lambda: torch.arange(0).view(0, 5), "mask is reshaped across dimensions"),
 ]
 
@@ -308,6 +363,31 @@ def test_the_mask_must_fit_the_scores(mask_fn, scores, reason):
     assert str(raised.value) == reason
 
 
+def test_three_dimensional_scores_read_the_query_axis_second_from_the_right():
+    # bmm-style scores [B*H, Sq, Skv], with more keys than queries (a cache of 2).
+    mask = lambda: torch.arange(N + 2)[None, :] <= torch.arange(N)[:, None] + 2  # noqa: E731
+    assert _prove(mask, (2, N, N + 2)) == am.MaskSpec(True, q_offset=2)
+
+
+def test_a_head_position_on_a_single_head_is_zero():
+    # [1, N, N] mask, its head axis of size 1 against the scores' single head: j <= i + h with h = 0.
+    def mask():
+        return torch.arange(N)[None, None, :] <= torch.arange(N)[None, :, None] + torch.arange(1)[:, None, None]
+
+    assert _prove(mask, (1, 1, N, N)) == CAUSAL
+
+
+@pytest.mark.parametrize("pred, reason", [
+    (("atom", am.Affine.symbol(0) - am.Affine.symbol(1) - am.Affine.symbol(5)),
+     "the mask depends on a position symbol on no attention axis"),
+    (("atom", am.Affine(((0, 1), (1, -1)), sympy.Symbol("s0"))), "the mask's offset depends on a dynamic size (s0)"),
+], ids=["symbol on no axis", "dynamic offset"])
+def test_classify_refuses_a_formula_it_cannot_place(pred, reason):
+    with pytest.raises(am.Unprovable) as raised:
+        am.classify(pred, ((0, -1), (1, -2)), (1, 1, N, N), N, N)
+    assert str(raised.value) == reason
+
+
 def test_a_size_one_query_axis_that_the_scores_keep_is_the_query_index():
     # One query row (the last prompt position, q_offset N-1): its position symbol stands for the query index 0.
     last = lambda: torch.arange(N)[None, :] <= torch.arange(N - 1, N)[:, None]  # noqa: E731
@@ -332,14 +412,37 @@ def test_a_scalar_computed_from_the_length_at_run_time_is_refused(mask_fn, reaso
     assert str(raised.value) == reason
 
 
-def test_masked_fill_with_a_non_boolean_mask_is_refused():
-    # torch refuses such a mask when tracing, so the graph is rewired: the key positions become the mask.
-    gm = make_fx(lambda: (torch.zeros(N, N).masked_fill(_ramps()[1] > _ramps()[0], NEG),), tracing_mode="real")()
-    fill = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.masked_fill.Scalar)
-    fill.args = (fill.args[0], fill.args[1].args[0], fill.args[2])
+@pytest.mark.parametrize("op, mask_fn, position, reason", [
+    (torch.ops.aten.masked_fill.Scalar, lambda: torch.zeros(N, N).masked_fill(_ramps()[1] > _ramps()[0], NEG), 1,
+     "masked_fill with a non-boolean mask"),
+    (torch.ops.aten.where.self, lambda: torch.where(_ramps()[1] <= _ramps()[0], 0.0, NEG), 0,
+     "where() with a non-boolean condition"),
+], ids=["masked_fill", "where"])
+def test_a_non_boolean_mask_or_condition_is_refused(op, mask_fn, position, reason):
+    # torch refuses one when tracing, so the graph is rewired: the key positions become the mask.
+    gm, _ = _traced(mask_fn)
+    found = next(n for n in gm.graph.nodes if n.target is op)
+    args = list(found.args)
+    args[position] = args[position].args[0]
+    found.args = tuple(args)
     with pytest.raises(am.Unprovable) as raised:
-        am.MaskEvaluator(gm).evaluate(fill)
-    assert str(raised.value) == "masked_fill with a non-boolean mask"
+        am.MaskEvaluator(gm).evaluate(found)
+    assert str(raised.value) == reason
+
+
+@pytest.mark.parametrize("args, start", [
+    (lambda x: (x, 1, 2), 2),  # no end
+    (lambda x: (x, -1, 2), 2),  # the dimension from the right
+    (lambda x: (x, 1, None, 2**63 - 1), 0),  # start None is 0
+    (lambda x: (x, 1), 0),  # start left out
+])
+def test_slice_arguments_left_out_take_their_defaults(args, start):
+    # The key positions [1, N + 2] sliced along the keys: position k of the result holds k + start.
+    gm, node = _traced(lambda: torch.arange(N + 2)[None, :][:, 2:])
+    node.args = args(node.args[0])
+    value = am.MaskEvaluator(gm).evaluate(node)
+    ((symbol, axis),) = value.dims
+    assert axis == -1 and value.value == am.Affine.symbol(symbol, start)
 
 
 def _value(mask_fn):
@@ -388,3 +491,14 @@ def test_a_buffer_that_is_not_a_frozen_constant_is_refused():
     with pytest.raises(am.Unprovable) as raised:
         am.MaskEvaluator(gm).evaluate(node)
     assert str(raised.value) == f"mask reads {buffer.target}, which is not a frozen constant"
+
+
+def test_a_position_deeper_than_its_tensor_is_a_bookkeeping_failure():
+    # No traced op makes one; the guard keeps a slip from reading the wrong axis's size.
+    gm, node = _traced(lambda: torch.arange(N) <= torch.arange(N)[:, None])
+    evaluator = am.MaskEvaluator(gm)
+    ramp = node.args[0]  # [N], broadcast to [N, N]
+    evaluator._memo[ramp] = am.Index(am.Affine.symbol(50), ((50, -2),))
+    with pytest.raises(am.Unprovable) as raised:
+        evaluator.evaluate(node)
+    assert str(raised.value) == "mask dimension bookkeeping failed"
