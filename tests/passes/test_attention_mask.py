@@ -199,6 +199,8 @@ PROVEN = [
     ("Inductor's iota from 2", lambda: _iota(2, 1)[None, :] <= torch.arange(2, N + 2)[:, None], CAUSAL),
     ("j plus row 0 compared with i", lambda: torch.arange(N)[None, :] + torch.arange(1)[:, None]
      <= torch.arange(N)[:, None], CAUSAL),
+    ("a ramp plus itself", lambda: (lambda r: (r + r)[None, :] <= (r * 2)[:, None])(torch.arange(N)), CAUSAL),
+    ("a cloned mask", lambda: _boolean(lambda i, j: j <= i)().clone(), CAUSAL),
     ("an offset from a 0-dim prefix sum", lambda: torch.arange(N)[None, :] <= torch.arange(N)[:, None] + torch.ones(
         (), dtype=torch.long).cumsum(0), am.MaskSpec(True, q_offset=1)),
 ]
@@ -502,3 +504,33 @@ def test_a_position_deeper_than_its_tensor_is_a_bookkeeping_failure():
     with pytest.raises(am.Unprovable) as raised:
         evaluator.evaluate(node)
     assert str(raised.value) == "mask dimension bookkeeping failed"
+
+
+def test_a_mask_read_from_an_input_is_refused_as_a_padding_mask():
+    gm = make_fx(lambda keep: (torch.where(keep, 0.0, NEG),), tracing_mode="real")(torch.ones(N, N, dtype=torch.bool))
+    (where,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    with pytest.raises(am.Unprovable) as raised:
+        am.MaskEvaluator(gm).evaluate(where)
+    assert str(raised.value) == "mask depends on the runtime input keep_1 (a padding mask?)"
+
+
+@pytest.mark.parametrize("rewire, reason", [
+    (lambda node: setattr(node, "op", "call_module"), "mask uses call_module {name}"),
+    (lambda node: node.meta.pop("val"), "mask node {name} has no tensor metadata"),
+], ids=["a module call", "no metadata"])
+def test_a_node_the_prover_cannot_read_is_refused(rewire, reason):
+    gm, node = _traced(lambda: torch.zeros(N, N).masked_fill(_ramps()[1] > _ramps()[0], NEG))
+    mask = node.args[1]
+    rewire(mask)
+    with pytest.raises(am.Unprovable) as raised:
+        am.MaskEvaluator(gm).evaluate(node)
+    assert str(raised.value) == reason.format(name=mask.name)
+
+
+def test_evaluate_takes_a_scalar_as_a_constant():
+    evaluator = am.MaskEvaluator(_traced(lambda: torch.zeros(N))[0])
+    assert evaluator.evaluate(True) == am.Bool(("const", True), ())
+    assert evaluator.evaluate(2) == am.Select(("const", True), 2.0, 2.0, ())
+    with pytest.raises(am.Unprovable) as raised:
+        evaluator.evaluate("x")
+    assert str(raised.value) == "mask uses a non-constant scalar 'x'"
