@@ -201,6 +201,10 @@ PROVEN = [
      <= torch.arange(N)[:, None], CAUSAL),
     ("a ramp plus itself", lambda: (lambda r: (r + r)[None, :] <= (r * 2)[:, None])(torch.arange(N)), CAUSAL),
     ("a cloned mask", lambda: _boolean(lambda i, j: j <= i)().clone(), CAUSAL),
+    ("i - j from one ramp", _boolean(lambda i, j: i - j >= 0), CAUSAL),
+    # An always-true term cuts the visible run in two (at -2): the pieces are one window of 4.
+    ("a window cut by a redundant term", _boolean(lambda i, j: (j <= i) & (j > i - 4) & ((j <= i - 2) | (j > i - 2))),
+     am.MaskSpec(True, window=4)),
     ("an offset from a 0-dim prefix sum", lambda: torch.arange(N)[None, :] <= torch.arange(N)[:, None] + torch.ones(
         (), dtype=torch.long).cumsum(0), am.MaskSpec(True, q_offset=1)),
 ]
@@ -329,6 +333,16 @@ UNPROVEN = [
      "mask arithmetic on a boolean scalar"),
     ("a ramp plus 2.5", lambda: torch.arange(N)[None, :] <= torch.arange(N)[:, None] + 2.5,
      "mask arithmetic with a non-integer scalar 2.5"),
+    ("causal but for one offset", _boolean(lambda i, j: (j <= i) & (j != i - 2)), _hidden_offsets(
+        "[None, -3]:visible", "[-2, -2]:hidden", "[-1, 0]:visible", "[1, None]:hidden")),
+    ("a mask and 3 > 3", _boolean(lambda i, j: (j <= i) & (torch.full((N, N), 3) > 3)), "the mask hides every key"),
+    ("a float mask compared", lambda: _additive(lambda i, j: j <= i)() <= 0,
+     "mask arithmetic on a non-index value (where)"),
+    ("logical_and with a ramp", _boolean(lambda i, j: torch.logical_and(j <= i, j)),
+     "aten.logical_and on non-boolean mask values"),
+    ("logical_not of a ramp", _boolean(lambda i, j: torch.logical_not(i - j)), "negation of a non-boolean mask value"),
+    ("triu of a where over constants", lambda: torch.where(torch.full((N, N), 3) > 2, 0.0, NEG).triu(1),
+     "triu/tril of a non-constant tensor"),
     ("a reshape that splits an empty ramp", lambda: torch.arange(0).view(0, 5), "mask is reshaped across dimensions"),
 ]
 
@@ -437,6 +451,7 @@ def test_a_non_boolean_mask_or_condition_is_refused(op, mask_fn, position, reaso
     (lambda x: (x, -1, 2), 2),  # the dimension from the right
     (lambda x: (x, 1, None, 2**63 - 1), 0),  # start None is 0
     (lambda x: (x, 1), 0),  # start left out
+    (lambda x: (x,), 0),  # dimension left out: 0
 ])
 def test_slice_arguments_left_out_take_their_defaults(args, start):
     # The key positions [1, N + 2] sliced along the keys: position k of the result holds k + start.
@@ -534,3 +549,24 @@ def test_evaluate_takes_a_scalar_as_a_constant():
     with pytest.raises(am.Unprovable) as raised:
         evaluator.evaluate("x")
     assert str(raised.value) == "mask uses a non-constant scalar 'x'"
+
+
+def test_a_size_given_as_a_scalar_is_its_expression():
+    # The scalar 2 of `ramp + 2` replaced by the traced length s0 itself, as a graph may hold it.
+    def mask(x):
+        return (torch.arange(x.shape[0])[None, :] <= torch.arange(x.shape[0])[:, None] + 2,)
+
+    gm = make_fx(mask, tracing_mode="symbolic")(torch.zeros(N))
+    add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    size = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[0]
+    add.args = (add.args[0], size)
+    value = am.MaskEvaluator(gm).evaluate(add)
+    assert value.value.const == am.size_expr(size) and not value.value.const.is_number
+
+
+def test_cat_of_nothing_is_refused():
+    gm, node = _traced(lambda: torch.cat([torch.arange(3), torch.arange(3, N)]))
+    node.args = ([],)  # torch refuses it when tracing; a rewritten graph could hold it
+    with pytest.raises(am.Unprovable) as raised:
+        am.MaskEvaluator(gm).evaluate(node)
+    assert str(raised.value) == "mask concatenates nothing"
