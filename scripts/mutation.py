@@ -71,7 +71,7 @@ GROUPS: dict[str, Group] = {
     ),
     "buckets": Group(
         ("ttftc/buckets/*.py",),
-        ("tests/buckets/test_plan.py", "tests/runtime/test_bucketed.py"),
+        ("tests/buckets/test_plan.py", "tests/buckets/test_program.py", "tests/runtime/test_bucketed.py"),
     ),
     "scheduler": Group(
         ("ttftc/runtime/scheduler.py",),
