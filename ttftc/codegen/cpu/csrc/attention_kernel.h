@@ -151,10 +151,18 @@ struct F32Packed : F32 {
   }
 };
 
-// K of every (batch, kv head) as tiles [key / R][d][key % R], V as panels [d / R][key][d % R]; keys past skv in
-// the last tile are zeros (their scores are finite, and masked). Returns the arguments that read the copies.
-static AttentionArgs pack_kv(const AttentionArgs& a, float* kp, float* vp, int threads) {
+// Floats of the K and V copies pack_kv writes.
+static size_t packed_kv_floats(const AttentionArgs& a) {
+  return size_t(a.batch * a.hkv * (a.skv + R - 1) / R * R * (a.d + a.dv));
+}
+
+// K of every (batch, kv head) as tiles [key / R][d][key % R], then V as panels [d / R][key][d % R], into `buffer`
+// (packed_kv_floats(a) floats); keys past skv in the last tile are zeros (their scores are finite, and masked).
+// Returns the arguments that read the copies.
+static AttentionArgs pack_kv(const AttentionArgs& a, float* buffer, int threads) {
   const int64_t tiles = (a.skv + R - 1) / R, k_head = tiles * R * a.d, panel = tiles * R * R, v_head = tiles * R * a.dv;
+  float* kp = buffer;
+  float* vp = buffer + a.batch * a.hkv * k_head;
   parallel_for<int>(a.batch * a.hkv, threads, [](int&) {}, [&](int&, int64_t bh) {
     const int64_t b = bh / a.hkv, h = bh % a.hkv;
     const float* k = static_cast<const float*>(a.k) + b * a.k_sb + h * a.k_sh;
@@ -185,6 +193,7 @@ static AttentionArgs pack_kv(const AttentionArgs& a, float* kp, float* vp, int t
   p.v_sh = v_head;
   p.v_ss = R;  // key j's R values of panel 0
   p.v_panel = panel;
+  p.block_k = std::max<int64_t>(R, a.block_k / R * R);  // every block starts a K tile
   return p;
 }
 
@@ -296,16 +305,13 @@ static void attention_with(const AttentionArgs& a, int threads) {
 
 // fp32: with a.pack_kv, K and V are first copied into tile order (the caller decides when that pays).
 static void attention(const AttentionArgs& a, int threads) {
-  const int64_t tiles = (a.skv + R - 1) / R;
   PackedKV& buffer = packed_kv_buffer();
-  float* base = a.pack_kv ? buffer.reserve(size_t(a.batch * a.hkv * tiles * R * (a.d + a.dv))) : nullptr;
+  float* base = a.pack_kv ? buffer.reserve(packed_kv_floats(a)) : nullptr;
   if (base == nullptr) {  // not asked to, or out of memory for the copy: read in place
     attention_with<F32>(a, threads);
     return;
   }
-  AttentionArgs p = pack_kv(a, base, base + a.batch * a.hkv * tiles * R * a.d, threads);
-  p.block_k = std::max<int64_t>(R, p.block_k / R * R);  // every block starts a K tile
-  attention_with<F32Packed>(p, threads);
+  attention_with<F32Packed>(pack_kv(a, base, threads), threads);
   buffer.trim();
 }
 
