@@ -73,6 +73,11 @@ def one(gm, target) -> fx.Node:
     return node
 
 
+def attrs(gm) -> set[str]:
+    """The constants the live graph reads."""
+    return {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+
+
 def dtypes(node, *indices) -> tuple:
     return tuple(gu.dtype_of(node.args[i]) for i in indices)
 
@@ -216,6 +221,12 @@ def test_options(caps):
     assert pp.PrecisionPass(ttftc.Config(precision="fp32")).options()["precision"] == "fp32"
 
 
+@pytest.mark.parametrize("available, device", [(True, "cuda"), (False, "cpu")])
+def test_default_device(monkeypatch, available, device):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    assert pp._default_device() == device
+
+
 def test_graph_device():
     gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
     nodes = [gm.graph.placeholder(name) for name in "abcd"]
@@ -354,6 +365,7 @@ def test_bf16_linear(caps, bias):
     assert gu.is_call(w, aten.permute.default) and list(w.args[1]) == [1, 0]
     assert gu.constant_value(gm, w.args[0]).dtype == BF16
     assert torch.equal(gu.constant_value(gm, w.args[0]), W.to(BF16))
+    assert attrs(gm) == {"_ttftc____linear__w_bf16"} | ({"_ttftc____linear__b_bf16"} if bias else set())
     if bias:
         assert torch.equal(gu.constant_value(gm, gemm.args[0]), B.to(BF16))
     assert is_cast_to(x, BF16)
@@ -419,6 +431,8 @@ def test_bf16_norm_linear(caps, residual, bias, norm_b):
     assert node.args[5] is None and node.kwargs == {"kind": "layer" if norm_b else "rms", "eps": 1e-5}
     assert gu.dtype_of(node.args[2]) == (BF16 if norm_b else None)
     assert gu.dtype_of(node.args[4]) == (BF16 if bias else None)
+    assert attrs(gm) == {f"_ttftc____norm_linear__{name}" for name in
+                         ["norm_w", "w"] + (["b"] if bias else []) + (["norm_b"] if norm_b else [])}
     adds = calls(gm, aten.add.Tensor)
     # The residual add runs fp32 outside the op (and the graph's own `res + 1`).
     assert len(adds) == (2 if residual else 0)
@@ -455,6 +469,8 @@ def test_bf16_gated_ffn(caps, biases):
     node = one(gm, tt.gated_ffn.default)
     assert dtypes(node, 0, 1, 2) == (BF16, BF16, BF16) and node.kwargs == {"act": "silu"}
     assert dtypes(node, 3, 4) == ((BF16, BF16) if biases else (None, None))
+    names = {"w_gate_up", "w_down"} | ({"b_gate_up", "b_down"} if biases else set())
+    assert attrs(gm) == {f"_ttftc____gated_ffn__{name}" for name in names}
     x = x6()
     out = gm(x)
     assert out.dtype == FP32
@@ -471,6 +487,7 @@ def test_bf16_linear_act(caps, bias):
     assert (stats.matched, stats.rejections) == (1, [])
     node = one(gm, tt.linear_act.default)
     assert dtypes(node, 0, 1, 2) == (BF16, BF16, BF16 if bias else None) and node.kwargs == {"act": "gelu_tanh"}
+    assert attrs(gm) == {"_ttftc____linear_act__w"} | ({"_ttftc____linear_act__b"} if bias else set())
     x = x6()
     exact = tt.linear_act(x.to(BF16), W.to(BF16), B.to(BF16) if bias else None, act="gelu_tanh").float() + 1
     torch.testing.assert_close(gm(x), exact, atol=1e-6, rtol=1e-6)
@@ -517,7 +534,9 @@ def attention_gm(dtype=FP32, kv_len=False):
 def test_bf16_attention(caps):
     gm, ref = attention_gm(), attention_gm()
     original = one(gm, tt.attention.default)
+    original.args = (*original.args[:3], None)  # kv_len spelled out
     args, kwargs = original.args[3:], dict(original.kwargs)
+    assert args == (None,)
     stats = run(gm, "bf16")
     assert (stats.matched, stats.rejections) == (1, [])
     node = one(gm, tt.attention.default)
@@ -699,6 +718,7 @@ def test_int8_linear(caps, bias):
     assert wq.dtype == INT8 and tuple(wq.shape) == (32, 64) and ws.dtype == FP32 and tuple(ws.shape) == (32,)
     expected_q, expected_s = quantize_per_token(W)
     assert torch.equal(wq, expected_q) and torch.equal(ws, expected_s)
+    assert attrs(gm) == {"_ttftc____linear__int8", "_ttftc____linear__scale"} | ({"b"} if bias else set())
     if bias:
         assert torch.equal(gu.constant_value(gm, node.args[4]), B)
     else:
@@ -825,6 +845,8 @@ def test_int8_gated_ffn(caps, biases):
     gu_q, gu_s, d_q, d_s = (gu.constant_value(gm, a) for a in node.args[2:6])
     assert torch.equal(gu_q, quantize_per_token(W_GU)[0]) and torch.equal(gu_s, quantize_per_token(W_GU)[1])
     assert torch.equal(d_q, quantize_per_token(W_DOWN)[0]) and torch.equal(d_s, quantize_per_token(W_DOWN)[1])
+    assert attrs(gm) == {f"_ttftc____gated_ffn__{a}_{b}" for a in ("gate_up", "down") for b in ("int8", "scale")} | (
+        {"b_gu", "b_down"} if biases else set())
     if biases:
         assert torch.equal(gu.constant_value(gm, node.args[6]), B_GU)
         assert torch.equal(gu.constant_value(gm, node.args[7]), B_DOWN)
@@ -884,8 +906,8 @@ def test_int8_keeps_attention_in_the_float_policy(caps):
 
 def test_int8_q_k_v_share_one_quantisation(caps):
     def fn(x, wq, wk, wv):
-        h = x * 2
-        return F.linear(h, wq), F.linear(h, wk), F.linear(h, wv)
+        h = (x * 2).unsqueeze(0)  # two row views before each GEMM: unsqueeze, then the linear's flattening view
+        return F.linear(h, wq)[0], F.linear(h, wk)[0], F.linear(h, wv)[0]
     ws = {"wq": W, "wk": _rand(32, 64, seed=50), "wv": _rand(16, 64, seed=51)}
     gm, ref = build(fn, [torch.zeros(2, 3, 64)], ws), build(fn, [torch.zeros(2, 3, 64)], ws)
     assert run(gm, "int8").matched == 3
@@ -895,7 +917,8 @@ def test_int8_q_k_v_share_one_quantisation(caps):
     for lin in lins:
         x, scale = lin.args[:2]
         assert gu.is_call(x, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-        assert gu.dtype_of(x) == INT8 and gu.dtype_of(scale) == FP32
+        assert gu.dtype_of(x) == INT8 and gu.dtype_of(scale) == FP32 and tuple(gu.val(x).shape) == (6, 64)
+        assert x.args[0].target is aten.unsqueeze.default
         assert gu.through_views(x).args == (quant, 0) and scale.args == (quant, 1)
     x = _rand(2, 3, 64, seed=52)
     for got, (name, w) in zip(gm(x), ws.items()):
@@ -1285,3 +1308,457 @@ def test_activation_input():
     assert _module_names._activation_input(_node(g, aten.relu.default, x)) is None
     method = g.call_method("relu", (x,))
     assert _module_names._activation_input(method) is None
+
+
+# -- quant-dequant patterns already in a graph ---------------------------------------------------------------
+
+import torch.ao.quantization.fx._decomposed  # noqa: E402,F401  (registers quantized_decomposed)
+
+QD = torch.ops.quantized_decomposed
+W_Q, W_S = quantize_per_token(W)  # int8 [32, 64], fp32 [32]
+W_ZP = torch.zeros(32, dtype=torch.int64)
+
+
+def pt2e_gm(bias=True, x_shape=(6, 64), zp=(0, 0, 0), act_dtype=INT8, dq_scale=0.02, axis=0, per_tensor_w=False,
+            live=(), w_q=W_Q):
+    """x → quantize_per_tensor → dequantize_per_tensor → linear over a dequantized int8 weight (convert_pt2e)."""
+    x_zp, dq_zp, w_zp = zp
+    channels = w_q.shape[axis]
+    consts = {"w_q": w_q, "w_s": torch.ones(channels) * 0.01 if channels != 32 else W_S,
+              "w_zp": torch.zeros(channels, dtype=torch.int64) + w_zp, "b": B}
+    inputs = [torch.zeros(x_shape)] + [consts.pop(name) for name in live]
+
+    def fn(x, *rest):
+        named = dict(zip(list(live) + list(consts), rest))
+        lo, hi = (-128, 127) if act_dtype == INT8 else (0, 255)
+        x_q = QD.quantize_per_tensor(x, 0.02, x_zp, lo, hi, act_dtype)
+        x_dq = QD.dequantize_per_tensor(x_q, dq_scale, dq_zp, lo, hi, act_dtype)
+        if per_tensor_w:
+            w_dq = QD.dequantize_per_tensor(named["w_q"], 0.004, w_zp, -128, 127, INT8)
+        else:
+            w_dq = QD.dequantize_per_channel(named["w_q"], named["w_s"], named["w_zp"], axis, -128, 127, INT8)
+        return F.linear(x_dq, w_dq, named["b"] if bias else None)
+    return build(fn, inputs, consts)
+
+
+def _match(gm):
+    node = next(n for n in calls(gm, aten.mm.default, aten.addmm.default))
+    return _quant_patterns.match_pt2e_linear(gm, node)
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+@pytest.mark.parametrize("bias, x_shape", [(True, (6, 64)), (False, (2, 3, 64))])
+def test_pt2e_linear_fuses_into_int8_linear(caps, precision, bias, x_shape):
+    gm, ref = pt2e_gm(bias, x_shape), pt2e_gm(bias, x_shape)
+    stats = run(gm, precision)
+    assert (stats.matched, stats.rejections) == (1, [])
+    lin = one(gm, tt.int8_linear.default)
+    assert not calls(gm, aten.mm.default, aten.addmm.default, QD.dequantize_per_channel.default,
+                     QD.dequantize_per_tensor.default)
+    x = lin.args[0]
+    assert gu.dtype_of(x) == INT8 and gu.through_views(x).target is QD.quantize_per_tensor.default
+    assert torch.equal(gu.constant_value(gm, lin.args[2]), W_Q)
+    assert torch.equal(gu.constant_value(gm, lin.args[3]), W_S)
+    assert (gu.constant_value(gm, lin.args[4]) is B) if bias else lin.args[4] is None
+    assert lin.kwargs == {"out_dtype": FP32}
+    scale = lin.args[1]  # one python-float scale for the tensor, spread over the tokens
+    assert tuple(gu.val(scale).shape) == (6,) and gu.dtype_of(scale) == FP32
+    xin = _rand(*x_shape, seed=80)
+    torch.testing.assert_close(gm(xin), ref(xin), atol=1e-5, rtol=1e-5)
+
+
+def test_pt2e_per_tensor_weight_scale(caps):
+    gm, ref = pt2e_gm(per_tensor_w=True), pt2e_gm(per_tensor_w=True)
+    info = _match(gm)
+    assert "refusal" not in info and torch.equal(info["w_scale"], torch.full((32,), 0.004))
+    assert info["w_scale"].dtype == FP32
+    run(gm, "int8")
+    assert torch.equal(gu.constant_value(gm, one(gm, tt.int8_linear.default).args[3]), torch.full((32,), 0.004))
+    xin = _rand(6, 64, seed=81)
+    torch.testing.assert_close(gm(xin), ref(xin), atol=1e-5, rtol=1e-5)
+
+
+def test_pt2e_match_pieces():
+    gm = pt2e_gm(x_shape=(2, 3, 64))
+    info = _match(gm)
+    quant, dequant = one(gm, QD.quantize_per_tensor.default), one(gm, QD.dequantize_per_tensor.default)
+    assert info["x_q"] is quant and info["x_root"] is quant and info["x_dq"] is dequant
+    assert [n.target for n in info["x_chain"]] == [aten.view.default]
+    assert info["w_dq"] is one(gm, QD.dequantize_per_channel.default) and info["bias"].target == "b"
+    assert torch.equal(info["w_q"], W_Q) and info["x_scale"] == 0.02
+    assert "refusal" not in info
+
+
+@pytest.mark.parametrize("kwargs, refusal", [
+    ({"zp": (3, 3, 0)}, "asymmetric (non-zero zero point) quantisation: int8_linear is symmetric"),
+    ({"zp": (3, 0, 0)}, "asymmetric (non-zero zero point) quantisation: int8_linear is symmetric"),
+    ({"zp": (0, 3, 0)}, "asymmetric (non-zero zero point) quantisation: int8_linear is symmetric"),
+    ({"zp": (0, 0, 1)}, "asymmetric (non-zero zero point) quantisation: int8_linear is symmetric"),
+    ({"zp": (0, 0, 1), "per_tensor_w": True}, "asymmetric (non-zero zero point) quantisation: int8_linear is symmetric"),
+    ({"act_dtype": torch.uint8}, "activation is not int8 with one scale for quantize and dequantize"),
+    ({"dq_scale": 0.03}, "activation is not int8 with one scale for quantize and dequantize"),
+    ({"axis": 1}, "weight scales are not frozen per output channel (axis 0)"),
+    ({"live": ("w_s",)}, "weight scales are not frozen per output channel (axis 0)"),
+    ({"live": ("w_q",)}, "weight is not a frozen 2-D int8 tensor"),
+    ({"live": ("b",)}, "bias is not frozen"),
+])
+def test_pt2e_refusals(caps, kwargs, refusal):
+    gm = pt2e_gm(**kwargs)
+    assert _match(gm)["refusal"] == refusal
+    stats = run(gm, "int8")
+    assert stats.rejections == [f"? (linear): quant-dequant pattern: {refusal}"] and stats.matched == 0
+    assert not calls(gm, tt.int8_linear.default)
+
+
+def test_pt2e_refusals_of_hand_edited_graphs(caps):
+    for weight in (W_Q.view(torch.uint8), W_Q[None]):
+        gm = pt2e_gm()
+        set_constant(gm, "w_q", weight)
+        assert _match(gm)["refusal"] == "weight is not a frozen 2-D int8 tensor"
+    gm = pt2e_gm()
+    dq_w = one(gm, QD.dequantize_per_tensor.default)
+    quant = one(gm, QD.quantize_per_tensor.default)
+    dq_w.args = (dq_w.args[0].args[0], *dq_w.args[1:])  # dequantize of the float input, no quantize
+    assert _match(gm)["refusal"] == "activation dequantize is not fed by a quantize_per_tensor"
+    dq_w.args = (quant, *dq_w.args[1:])
+    assert "refusal" not in _match(gm)
+    gm = pt2e_gm(per_tensor_w=True)
+    w_dq = [n for n in calls(gm, QD.dequantize_per_tensor.default) if n.args[0].op == "get_attr"][0]
+    w_dq.args = (w_dq.args[0], one(gm, QD.quantize_per_tensor.default), *w_dq.args[2:])
+    assert _match(gm)["refusal"] == "per-tensor weight scale is not a constant"
+    gm = pt2e_gm(per_tensor_w=True)
+    w_dq = [n for n in calls(gm, QD.dequantize_per_tensor.default) if n.args[0].op == "get_attr"][0]
+    w_dq.args = (w_dq.args[0], 1, *w_dq.args[2:])  # an int scale is not a float one
+    assert _match(gm)["refusal"] == "per-tensor weight scale is not a constant"
+
+
+def test_pt2e_non_patterns():
+    assert _match(linear_gm()) is None  # a plain linear
+    gm = build(lambda x, w: F.linear(QD.dequantize_per_tensor(QD.quantize_per_tensor(x, 0.02, 0, -128, 127, INT8),
+                                                              0.02, 0, -128, 127, INT8), w), [torch.zeros(6, 64)],
+               {"w": W})
+    assert _match(gm) is None  # the weight is not dequantized
+    gm = build(lambda x, w: torch.mm(QD.dequantize_per_tensor(QD.quantize_per_tensor(x, 0.02, 0, -128, 127, INT8),
+                                                              0.02, 0, -128, 127, INT8), w.t().contiguous()),
+               [torch.zeros(6, 64)], {"w": W})
+    assert _match(gm) is None  # not under t()
+    gm = build(lambda x, w, s, z: F.linear(x, QD.dequantize_per_channel(w, s, z, 0, -128, 127, INT8)),
+               [torch.zeros(6, 64)], {"w": W_Q, "s": W_S, "z": W_ZP})
+    assert _match(gm) is None  # the activation is not dequantized
+    gm = build(lambda x, w: F.linear(QD.dequantize_per_tensor(QD.quantize_per_tensor(x, 0.02, 0, -128, 127, INT8),
+                                                              0.02, 0, -128, 127, INT8), w.float() * 0.01),
+               [torch.zeros(6, 64)], {"w": W_Q})
+    assert _match(gm) is None  # the weight is scaled by hand, not a dequantize op
+
+
+def test_pt2e_without_the_decomposed_ops(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch.ao.quantization.fx._decomposed", None)  # the import fails
+    assert _quant_patterns._decomposed_ops() is None
+    assert _match(pt2e_gm()) is None
+    monkeypatch.undo()
+    assert _quant_patterns._decomposed_ops() is torch.ops.quantized_decomposed
+
+
+def test_is_zero():
+    gm = build(lambda x: x * 1, [torch.zeros(1)])
+    x = next(nd for nd in gm.graph.nodes if nd.op == "placeholder")
+    z, n = gu.add_constant(gm, "z", torch.zeros(3)), gu.add_constant(gm, "n", torch.tensor([0.0, 1.0, 0.0]))
+    assert _quant_patterns._is_zero(gm, 0) and _quant_patterns._is_zero(gm, 0.0) and _quant_patterns._is_zero(gm, None)
+    assert not _quant_patterns._is_zero(gm, 2) and not _quant_patterns._is_zero(gm, -0.5)
+    assert not _quant_patterns._is_zero(gm, False)  # a bool is not a zero point
+    assert _quant_patterns._is_zero(gm, z) and not _quant_patterns._is_zero(gm, n)
+    assert not _quant_patterns._is_zero(gm, x)  # not frozen: unknown
+
+
+# -- torchao _int_mm chains ----------------------------------------------------------------------------------
+
+
+def _per_token(x):
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+    return torch.round(x / scale).clamp(-127, 127).to(INT8), scale
+
+
+def int_mm_gm(order="xw", cast=True, bias=None, w_shape=(32,), out=FP32, casts=1, frozen_t=False, live_w=False):
+    consts = {"w_q": W_Q.t().contiguous() if frozen_t else W_Q, "w_s": W_S.view(*w_shape).to(out)}
+    if bias is not None:
+        consts["b"] = B.to(out)
+    inputs = [torch.zeros(6, 64)] + ([consts.pop("w_q")] if live_w else [])
+
+    def fn(x, *rest):
+        named = dict(zip((["w_q"] if live_w else []) + list(consts), rest))
+        x_q, scale = _per_token(x)
+        y = torch._int_mm(x_q, named["w_q"] if frozen_t else named["w_q"].t())
+        for _ in range(casts if cast else 0):
+            y = y.to(out)
+        scale = scale.to(out)
+        y = y * scale * named["w_s"] if order == "xw" else (named["w_s"] * y) * scale
+        if bias == "after":
+            y = y + named["b"]
+        elif bias == "before":
+            y = named["b"] + y
+        return y
+    return build(fn, inputs, consts)
+
+
+def _chain(gm):
+    return _quant_patterns.match_int_mm_chain(gm, one(gm, aten._int_mm.default))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"order": "wx"}, {"bias": "after"}, {"bias": "before", "order": "wx"}, {"w_shape": (1, 32)},
+    {"cast": False}, {"out": BF16, "bias": "after"}, {"casts": 2, "bias": "after"}, {"frozen_t": True},
+    {"live_w": True, "bias": "after"},
+])
+def test_int_mm_chain_fuses_into_int8_linear(caps, kwargs):
+    gm, ref = int_mm_gm(**kwargs), int_mm_gm(**kwargs)
+    info = _chain(gm)
+    assert not isinstance(info, str), info
+    assert info["x_chain"] == [] and info["x_root"].target is aten._to_copy.default
+    assert (info["bias"] is not None) == ("bias" in kwargs)
+    assert info["end"] is next(n for n in gm.graph.nodes if n.op == "output").args[0][0] if False else True
+    stats = run(gm, "int8")
+    assert (stats.matched, stats.rejections) == (1, [])
+    lin = one(gm, tt.int8_linear.default)
+    assert not calls(gm, aten._int_mm.default, aten.mul.Tensor)
+    out_dtype = kwargs.get("out", FP32)
+    assert lin.kwargs == {"out_dtype": out_dtype} and gu.dtype_of(lin) == out_dtype
+    assert gu.dtype_of(lin.args[0]) == INT8 and tuple(gu.val(lin.args[1]).shape) == (6,)
+    assert gu.dtype_of(lin.args[3]) == FP32 and tuple(gu.val(lin.args[3]).shape) == (32,)
+    if kwargs.get("live_w"):
+        assert lin.args[2].op == "placeholder"
+    else:
+        assert torch.equal(gu.constant_value(gm, lin.args[2]), W_Q)
+        assert gu.constant_value(gm, lin.args[2]).is_contiguous()
+    if "bias" in kwargs:
+        assert gu.dtype_of(lin.args[4]) == FP32
+    else:
+        assert lin.args[4] is None
+    inputs = [_rand(6, 64, seed=90)] + ([W_Q] if kwargs.get("live_w") else [])
+    tol = 2e-2 if out_dtype == BF16 else 1e-5
+    torch.testing.assert_close(gm(*inputs), ref(*inputs), atol=tol, rtol=tol)
+
+
+def test_int_mm_chain_pieces():
+    gm = int_mm_gm(bias="after")
+    info = _chain(gm)
+    muls = calls(gm, aten.mul.Tensor)
+    add = one(gm, aten.add.Tensor)
+    assert info["end"] is add and info["bias"].target == "b" and info["out_dtype"] == FP32
+    assert tuple(gu.val(info["x_scale"]).shape) == (6, 1) and info["w_scale"].target == "w_s"
+    assert info["x_scale"] in muls[-2].args and torch.equal(info["w_q"], W_Q)
+
+
+def _uint8_gm(offset=128, correction=True, corr_offset=128, corr_dim=0, widen=torch.int32):
+    def fn(x, w_q, w_s):
+        x_q, scale = _per_token(x)
+        a = (x_q.to(widen) + offset).to(torch.uint8)
+        b = w_q.t()
+        y = torch._int_mm(a, b)
+        if correction:
+            y = y - b.to(torch.int32).sum([corr_dim]) * corr_offset if corr_dim == 0 else y - b.sum([1])[:1] * 128
+        return y.to(FP32) * scale * w_s
+    return build(fn, [torch.zeros(6, 64)], {"w_q": W_Q, "w_s": W_S})
+
+
+def test_int_mm_uint8_offset_form(caps):
+    gm = _uint8_gm()
+    sub = one(gm, aten.sub.Tensor)
+    b = one(gm, aten._int_mm.default).args[1]
+    assert not _quant_patterns._is_offset_correction(sub, one(gm, aten._int_mm.default), b)  # sum of a cast of b
+    # torchao sums B itself; rebuild the correction that way.
+    total = sub.args[1].args[0]
+    total.args = (b, *total.args[1:])
+    gu.refresh_meta(gm, total)
+    assert _quant_patterns._is_offset_correction(sub, one(gm, aten._int_mm.default), b)
+    info = _chain(gm)
+    assert not isinstance(info, str), info
+    assert gu.dtype_of(info["x_root"]) == INT8 and info["x_root"].target is aten._to_copy.default
+    run(gm, "int8")
+    lin = one(gm, tt.int8_linear.default)
+    assert not calls(gm, aten._int_mm.default, aten.sub.Tensor)
+    x = _rand(6, 64, seed=91)
+    x_q, scale = _per_token(x)
+    expected = (x_q.double() @ W_Q.double().t() * scale.double() * W_S.double()).float()
+    torch.testing.assert_close(gm(x), expected, atol=1e-5, rtol=1e-5)
+    assert gu.dtype_of(lin.args[0]) == INT8
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"correction": False}, "uint8 activation without the matching offset correction"),
+    ({"corr_offset": 127}, "uint8 activation without the matching offset correction"),
+    ({"corr_dim": 1}, "uint8 activation without the matching offset correction"),
+    ({"offset": 127}, "activation operand is torch.uint8, not int8"),
+    ({"widen": torch.int64}, "activation operand is torch.uint8, not int8"),
+])
+def test_int_mm_uint8_refusals(kwargs, reason):
+    assert _chain(_uint8_gm(**kwargs)) == reason
+
+
+def test_int_mm_offset_source_and_correction_shapes():
+    gm = _uint8_gm()
+    mm = one(gm, aten._int_mm.default)
+    a, b = mm.args
+    assert _quant_patterns._uint8_offset_source(a).target is aten._to_copy.default
+    assert _quant_patterns._uint8_offset_source(b) is None
+    assert _quant_patterns._uint8_offset_source(a.args[0]) is None  # the add, not the cast
+    relu = gm.graph.call_function(aten.relu.default, (mm,))
+    assert not _quant_patterns._is_offset_correction(relu, mm, b)
+    sub = one(gm, aten.sub.Tensor)
+    assert not _quant_patterns._is_offset_correction(sub, relu, b)  # not a correction of this mm
+
+
+def test_int_mm_chain_refusals():
+    def chain(fn, *inputs, consts=None):
+        return _chain(build(fn, [torch.zeros(6, 64), *inputs], consts or {"w_q": W_Q, "w_s": W_S}))
+    assert chain(lambda x, w_q, w_s: torch._int_mm(_per_token(x)[0], w_q.t()).to(FP32) * w_s) == (
+        "no per-token activation scale and per-channel weight scale multiplies after it")
+    assert chain(lambda x, w_q, w_s: torch._int_mm(_per_token(x)[0], w_q.t()).to(FP32) * _per_token(x)[1]) == (
+        "no per-token activation scale and per-channel weight scale multiplies after it")
+    # Two per-token scales: the second is not a weight scale.
+    assert chain(lambda x, w_q, w_s: torch._int_mm(_per_token(x)[0], w_q.t()) * _per_token(x)[1] * _per_token(x)[1]
+                 ) == "no per-token activation scale and per-channel weight scale multiplies after it"
+    # A weight scale of another length; a python-number factor.
+    assert chain(lambda x, w_q, w_s: torch._int_mm(_per_token(x)[0], w_q.t()) * _per_token(x)[1] * w_s[:1]) == (
+        "no per-token activation scale and per-channel weight scale multiplies after it")
+    assert chain(lambda x, w_q, w_s: torch._int_mm(_per_token(x)[0], w_q.t()).to(FP32) * 0.5 * w_s) == (
+        "no per-token activation scale and per-channel weight scale multiplies after it")
+    # Two readers of the product: not a chain.
+    assert chain(lambda x, w_q, w_s: (lambda y: (y * _per_token(x)[1] * w_s, y))(
+        torch._int_mm(_per_token(x)[0], w_q.t()).to(FP32))) == (
+        "no per-token activation scale and per-channel weight scale multiplies after it")
+    assert chain(lambda x, w_q, w_s: torch._int_mm(_per_token(x)[0], w_q.t().contiguous()) * _per_token(x)[1] * w_s
+                 ) == "weight operand is not an int8 [N, K] matrix under t()"
+    assert chain(lambda x, w_q, w_s: torch._int_mm(_per_token(x)[0], w_q.t()) * _per_token(x)[1].to(torch.int32)
+                 * w_s.to(torch.int32)) == "the chain ends in torch.int32, not a float"
+    assert chain(lambda x, w_q, w_s: torch._int_mm(_per_token(x)[0], w_q.t()) * 2 * _per_token(x)[1] * w_s) == (
+        "no per-token activation scale and per-channel weight scale multiplies after it")
+
+
+def test_int_mm_chain_with_a_cast_after_the_scales_or_a_second_bias_stops_there():
+    gm = int_mm_gm(bias="after")
+    add = one(gm, aten.add.Tensor)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        again = gu.call(gm, aten.add.Tensor, (add, gu.val(add).new_zeros(()) if False else add))
+    out.args = ((again,),)
+    assert _chain(gm)["end"] is add
+    gm = int_mm_gm()
+    last = calls(gm, aten.mul.Tensor)[-1]
+    with gm.graph.inserting_after(last):
+        cast = gu.call(gm, aten._to_copy.default, (last,), {"dtype": BF16})
+    for user in list(last.users):
+        if user is not cast:
+            user.replace_input_with(last, cast)
+    assert _chain(gm)["end"] is last and _chain(gm)["out_dtype"] == FP32
+    gm = int_mm_gm(bias="after")
+    add = one(gm, aten.add.Tensor)
+    add.args = (add.args[0], _per_token_node(gm))
+    assert _chain(gm)["end"] is calls(gm, aten.mul.Tensor)[-1] and _chain(gm)["bias"] is None
+
+
+def _per_token_node(gm):
+    """A [M, 1] node of the graph (the activation scale): the wrong shape for a bias."""
+    return next(n for n in gm.graph.nodes if isinstance(gu.val(n), torch.Tensor) and tuple(gu.val(n).shape) == (6, 1))
+
+
+def test_same_shape_and_mul_factor():
+    assert _quant_patterns._same_shape((6, 1), (6, 1)) and not _quant_patterns._same_shape((6,), (6, 1))
+    assert not _quant_patterns._same_shape((6, 2), (6, 1)) and not _quant_patterns._same_shape((6, 1), (6,))
+    g = fx.Graph()
+    x, y, z = g.placeholder("x"), g.placeholder("y"), g.placeholder("z")
+    assert _quant_patterns._mul_factor(g.call_function(aten.mul.Tensor, (x, y)), x) is y
+    assert _quant_patterns._mul_factor(g.call_function(aten.mul.Tensor, (y, x)), x) is y
+    assert _quant_patterns._mul_factor(g.call_function(aten.mul.Tensor, (y, z)), x) is None
+    assert _quant_patterns._mul_factor(g.call_function(aten.add.Tensor, (x, y)), x) is None
+    assert _quant_patterns._mul_factor(g.call_function(aten.mul.Tensor, (x, y), {"out": z}), x) is y
+    assert _quant_patterns._mul_factor(g.call_function(aten.mul.Tensor, (x,)), x) is None
+
+
+def _replace_gm():
+    """x [6, 64] int8, scales and weights as graph inputs, to call replace_existing_quant directly."""
+    return build(lambda x, s, s1, ws, b, wq: x, [torch.zeros(6, 64, dtype=INT8), torch.zeros(6, 1),
+                                                 torch.zeros(4, 1), torch.zeros(32, dtype=BF16),
+                                                 torch.zeros(32, dtype=BF16), torch.zeros(32, 64, dtype=INT8)])
+
+
+def test_replace_existing_quant_variants():
+    gm = _replace_gm()
+    x, s, s1, ws, b, wq = (n for n in gm.graph.nodes if n.op == "placeholder")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        lin = _quant_patterns.replace_existing_quant(gm, x, {"x_root": x, "x_chain": [], "x_scale": s, "w_q": wq,
+                                                             "w_scale": ws, "bias": b, "out_dtype": None})
+    x_arg, scale, w_q, w_s, bias = lin.args
+    assert x_arg is x and scale.target is aten.reshape.default and scale.args == (s, [-1]) and w_q is wq
+    assert is_cast_to(w_s, FP32) and w_s.args[0].target is aten.reshape.default and w_s.args[0].args == (ws, [-1])
+    assert is_cast_to(bias, FP32) and bias.args == (b,)
+    assert lin.kwargs == {"out_dtype": INT8}  # no out_dtype given: the replaced node's
+    with gm.graph.inserting_before(out):
+        with pytest.raises(RuntimeError, match=r"^activation scale \(4,\) does not have one entry per token$"):
+            _quant_patterns.replace_existing_quant(gm, x, {"x_root": x, "x_chain": [], "x_scale": s1, "w_q": W_Q,
+                                                           "w_scale": W_S, "out_dtype": FP32})
+        # One scale as a node: reshaped to a scalar and spread over the tokens.
+        one_scale = gu.call(gm, aten.select.int, (gu.call(gm, aten.select.int, (s, 0, 0)), 0, 0))
+        lin = _quant_patterns.replace_existing_quant(gm, x, {"x_root": x, "x_chain": [], "x_scale": one_scale,
+                                                             "w_q": W_Q, "w_scale": W_S, "bias": None,
+                                                             "out_dtype": BF16})
+    scale = lin.args[1]
+    assert scale.target is aten.mul.Tensor and scale.args[1].target is aten.reshape.default
+    assert scale.args[1].args == (one_scale, [])
+    ones = scale.args[0]
+    assert ones.target is aten.full_like.default and ones.args[1] == 1.0 and ones.kwargs == {"dtype": FP32}
+    assert ones.args[0].target is aten.select.int and ones.args[0].args == (x, 1, 0)
+    assert lin.args[4] is None and lin.kwargs == {"out_dtype": BF16}
+    assert gu.constant_value(gm, lin.args[2]).is_contiguous() and torch.equal(gu.constant_value(gm, lin.args[3]), W_S)
+    gm.graph.erase_node(lin)
+    out.args = ((scale,),)
+    gm.recompile()
+    got = gm(*(torch.full(t.shape, 0.5, dtype=t.dtype) if t.is_floating_point() else torch.ones(t.shape, dtype=t.dtype)
+               for t in (gu.val(n) for n in (x, s, s1, ws, b, wq))))
+    torch.testing.assert_close(got[0], torch.full((6,), 0.5))
+
+
+def test_replace_existing_quant_with_a_frozen_bf16_bias_and_an_fp32_live_scale():
+    gm = _replace_gm()
+    x, s, s1, ws, b, wq = (n for n in gm.graph.nodes if n.op == "placeholder")
+    bias = gu.add_constant(gm, "bias", B.to(BF16))
+    ws.meta["val"] = gu.val(ws).float()
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        lin = _quant_patterns.replace_existing_quant(gm, x, {"x_root": x, "x_chain": [], "x_scale": s, "w_q": wq,
+                                                             "w_scale": ws, "bias": bias, "out_dtype": FP32})
+    assert torch.equal(gu.constant_value(gm, lin.args[4]), B.to(BF16).float())
+    assert gu.dtype_of(lin.args[4]) == FP32
+    assert lin.args[3].target is aten.reshape.default  # already fp32: no cast
+
+
+
+def test_live_norm_weights_are_refused(caps):
+    gm = build(lambda x, nw, w: tt.norm_linear(x, nw, None, w, kind="rms", eps=1e-5)[0] * 1,
+               [torch.zeros(6, 64), NORM_W], {"w": W})
+    assert run(gm, "bf16").rejections == ["? (norm_linear): bf16 refused: weights are not frozen constants"]
+
+
+def test_int8_gemms_reading_a_norms_residual_output_share_a_quantize_per_token(caps):
+    def fn(x, r, nw, w1, w2):
+        h, res = tt.norm(x, nw, None, r, kind="rms", eps=1e-5)
+        return F.linear(res, w1), F.linear(res, w2), h * 1
+    gm = build(fn, [torch.zeros(6, 64), torch.zeros(6, 64)], {"nw": NORM_W, "w1": W, "w2": W})
+    run(gm, "int8")
+    assert one(gm, tt.norm.default) and not calls(gm, tt.norm_quant.default)
+    quant = one(gm, tt.quantize_per_token.default)
+    assert quant.args[0].target is operator.getitem and quant.args[0].args[1] == 1
+
+
+def test_pt2e_activation_through_two_row_views(caps):
+    def fn(x, w_q, w_s, w_zp):
+        x_dq = QD.dequantize_per_tensor(QD.quantize_per_tensor(x, 0.02, 0, -128, 127, INT8), 0.02, 0, -128, 127, INT8)
+        return F.linear(x_dq.unsqueeze(0), QD.dequantize_per_channel(w_q, w_s, w_zp, 0, -128, 127, INT8))[0]
+    consts = {"w_q": W_Q, "w_s": W_S, "w_zp": W_ZP}
+    gm, ref = build(fn, [torch.zeros(2, 3, 64)], consts), build(fn, [torch.zeros(2, 3, 64)], consts)
+    assert run(gm, "int8").matched == 1
+    x = one(gm, tt.int8_linear.default).args[0]
+    assert tuple(gu.val(x).shape) == (6, 64) and x.args[0].target is aten.unsqueeze.default
+    xin = _rand(2, 3, 64, seed=95)
+    torch.testing.assert_close(gm(xin), ref(xin), atol=1e-5, rtol=1e-5)
