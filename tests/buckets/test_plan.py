@@ -2,13 +2,17 @@
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import ttftc
 from tests.helpers import needs_transformers
 from ttftc import zoo
-from ttftc.buckets.capture import analyse_padding
-from ttftc.buckets.plan import BucketPlan, plan_from_graph, refused
+from ttftc.buckets.capture import PrefillAdapter, analyse_padding, example_inputs
+from ttftc.buckets.plan import BucketPlan, PaddingAnalysis, plan_from_graph, refused
+from ttftc.buckets.program import GraphSignature
 from ttftc.buckets.table import DEFAULT_BUCKETS, bucket_for, effective_buckets
 
 CPU = torch.device("cpu")
@@ -113,6 +117,26 @@ def _softmax_scaled_after_mask(scores, n):
     return torch.softmax(scores.masked_fill(~_causal_visible(n), float("-inf")).float() * 0.25, dim=-1)
 
 
+def _ttftc_attention(x, *, causal: bool):
+    q = _heads(x)
+    return _merge(torch.ops.ttftc.attention(q, q, q, causal=causal, scale=0.25))
+
+
+def _softmax_where_filled(fill):
+    """Eager attention whose hidden scores are `fill(n)` (a value computed in the graph) instead of -inf."""
+    return lambda x: _eager_attention(
+        x, scores_to_probs=lambda s, n: torch.softmax(torch.where(_causal_visible(n), s, fill(n)), dim=-1))
+
+
+def _softmax_of(scores_of):
+    """Eager attention over `scores_of(scores, n)`."""
+    return lambda x: _eager_attention(x, scores_to_probs=lambda s, n: torch.softmax(scores_of(s, n), dim=-1))
+
+
+# -1e30 is the threshold itself: a key filled with it is hidden (float64 so that the value is exactly -1e30).
+_AT_THRESHOLD = -1e30
+
+
 def _plan(mix):
     return analyse_padding(_Toy(mix).eval(), BUCKETS, CPU)
 
@@ -144,11 +168,26 @@ def _plan(mix):
         (lambda x: F.scaled_dot_product_attention(_heads(x), torch.ones(x.shape[0], 2, 3, 8),
                                                   torch.ones(x.shape[0], 2, 3, 8)).transpose(1, 2).reshape(
             x.shape[0], x.shape[1], 16), None),  # attends to a fixed-length memory
+        (lambda x: _ttftc_attention(x, causal=True), "1x ttftc.attention(causal=True)"),
+        (_sdpa_with(lambda n: torch.zeros(n, n).masked_fill(~_causal_visible(n), _AT_THRESHOLD)),
+         "SDPA with a causal mask"),
+        (_softmax_of(lambda s, n: s.masked_fill(~_causal_visible(n), _AT_THRESHOLD)), "softmax over causally masked"),
+        (_softmax_where_filled(lambda n: torch.tensor(_AT_THRESHOLD, dtype=torch.float64)),
+         "softmax over causally masked"),
+        # a fill computed from the length hides at every length
+        (_softmax_where_filled(lambda n: torch.full((), -1e30) * n), "softmax over causally masked"),
+        # a causal mask, then a bias that hides nothing (a relative-position bias, say)
+        (_softmax_of(lambda s, n: s.masked_fill(~_causal_visible(n), float("-inf")) + torch.zeros(n, n)),
+         "softmax over causally masked"),
+        (_softmax_of(lambda s, n: torch.zeros(n, n).masked_fill(~_causal_visible(n), float("-inf")) + s),
+         "softmax over causally masked"),  # the mask as the first operand
     ],
     ids=["causal-sdpa", "causal-mask", "hidden-norm", "prefix-sum", "sdpa-bool-mask", "sdpa-additive-mask",
          "eager-where", "eager-where-hidden-first", "eager-additive", "eager-scaled-after-mask", "eager-dropout-views",
          "hidden-reductions", "hidden-softmax", "hidden-split-cat", "empty-cat", "full-slices", "hidden-slice",
-         "hidden-index-select", "fixed-memory"],
+         "hidden-index-select", "fixed-memory", "ttftc-attention", "additive-mask-at-threshold",
+         "eager-fill-at-threshold", "eager-where-tensor-at-threshold", "eager-fill-grows-with-length",
+         "eager-mask-then-bias", "eager-mask-first"],
 )
 def test_padding_proven_safe(mix, evidence):
     plan = _plan(mix)
@@ -194,12 +233,35 @@ def test_padding_proven_safe(mix, evidence):
         (lambda x: x[:, 1:], "slices the sequence axis"),
         (lambda x: x[:, ::2].repeat(1, 2, 1), "slices the sequence axis"),
         (lambda x: x * x.select(1, 0)[:, None], "picks positions along the sequence axis"),
+        (lambda x: _ttftc_attention(x, causal=False), "ttftc.attention with causal=False attends to later positions"),
+        (_sdpa_with(lambda n: torch.arange(n)[None, :] <= torch.arange(n)[:, None] + 1),
+         "lets a query see later keys (checked at length 5)"),  # each query sees the next key
+        # only evaluable from 8 positions on: at the first probe length the mask cannot be computed
+        (_sdpa_with(lambda n: _causal_visible(n) & (torch.arange(n)[7] >= 0)), "could not be evaluated (IndexError"),
+        (_softmax_of(lambda s, n: s.masked_fill(torch.arange(n) > n, float("-inf"))), "is not a [query, key] mask"),
+        (_softmax_where_filled(lambda n: torch.tensor(-1.0)), "no causal mask is applied"),  # a fill that hides nothing
+        (_softmax_where_filled(lambda n: torch.full((n, n), float("-inf"))), "no causal mask is applied"),  # not one value
+        (lambda x: _eager_attention(x, scores_to_probs=lambda s, n: torch.softmax(
+            torch.where(_causal_visible(n), s, s * 0), dim=-1)), "no causal mask is applied"),  # a fill from the data
+        # a fill judged at the first probe length (5), where it is 0: it hides nothing there
+        (_softmax_where_filled(lambda n: torch.full((), -1e30) * (n - 5)), "no causal mask is applied"),
+        # a fill that cannot be computed at the first probe length is not trusted
+        (_softmax_where_filled(lambda n: torch.arange(n)[7] * -1e31),
+         "softmax over the sequence axis without a proven causal mask (no causal mask is applied"),
+        (_softmax_of(lambda s, n: s + 1.0), "without a proven causal mask (the mask is not a tensor computed in the graph)"),
+        (_softmax_of(lambda s, n: s + torch.zeros(n, n)), "without a proven causal mask (the mask zeros lets a query see"),
+        # scores from positions alone, not causal: the reason names the mask
+        (lambda x: _eager_attention(x, scores_to_probs=lambda s, n: torch.softmax(torch.zeros(n, n) + 1.0, dim=-1)),
+         "without a proven causal mask (the mask zeros lets a query see later keys"),
     ],
     ids=["bidirectional", "anti-causal-mask", "sequence-mean", "sequence-norm", "last-position", "pooling",
          "data-dependent-sdpa-mask", "data-dependent-softmax-mask", "index", "gather", "index-select", "cat",
          "embedding-by-position", "sdpa-upper-mask", "sdpa-1d-mask", "causal-and-mask", "unmasked-softmax",
          "mask-fill-not-hidden", "scores-scaled-by-data", "sequence-matmul", "full-sum", "sequence-sum",
-         "sequence-amax", "shifted-slice", "strided-slice", "first-position"],
+         "sequence-amax", "shifted-slice", "strided-slice", "first-position", "ttftc-bidirectional",
+         "mask-sees-next-key", "mask-not-evaluable", "key-only-mask", "where-fill-not-hidden", "where-fill-not-one-value",
+         "where-fill-from-data", "where-fill-zero-at-first-probe", "where-fill-not-evaluable", "scores-plus-constant",
+         "scores-plus-zeros", "positions-only-scores"],
 )
 def test_padding_refused_with_reason(mix, reason):
     plan = _plan(mix)
@@ -237,9 +299,10 @@ def test_bucket_table():
     assert effective_buckets(None, 512) == (16, 32, 64, 128, 256, 512)
     assert effective_buckets((100, 300, 700), 512) == (100, 300, 512)
     assert effective_buckets((8, 64), None) == (8, 64)
+    assert effective_buckets((16, 32, 64), 32) == (16, 32)  # the limit itself, once
     assert bucket_for(1, (16, 32)) == 16 and bucket_for(16, (16, 32)) == 16 and bucket_for(17, (16, 32)) == 32
     assert bucket_for(33, (16, 32)) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^a prompt needs at least one token, got length 0$"):
         bucket_for(0, (16,))
 
 
@@ -248,8 +311,9 @@ def test_a_plan_describes_itself_and_round_trips_through_a_dict():
     assert plan.safe and plan.reason is None
     assert plan.evidence == ("1x softmax over causally masked scores (evaluated)",
                              "1x probabilities @ V over causal probabilities", "1x SDPA with is_causal=True")
-    text = plan.describe()
-    assert text.startswith("bucketing: padding proven safe; buckets [16, 32] (1x softmax")
+    assert plan.describe() == (
+        "bucketing: padding proven safe; buckets [16, 32] (1x softmax over causally masked scores (evaluated); "
+        "1x probabilities @ V over causal probabilities; 1x SDPA with is_causal=True)")
     assert BucketPlan.from_dict(plan.to_dict()) == plan
     noted = BucketPlan(True, (16,), notes=("capped",))
     assert noted.describe() == "bucketing: padding proven safe; buckets [16] (no op mixes sequence positions); capped"
@@ -257,6 +321,7 @@ def test_a_plan_describes_itself_and_round_trips_through_a_dict():
     refusal = refused((16,), "because", notes=("n",))
     assert refusal.describe() == "bucketing: refused, the graph stays dynamic: because; n"
     assert refusal.to_dict() == {"safe": False, "buckets": [16], "reason": "because", "evidence": [], "notes": ["n"]}
+    assert BucketPlan.from_dict(refusal.to_dict()) == refusal
 
 
 def test_the_attention_problem_is_named_first_and_the_rest_counted():
@@ -270,7 +335,86 @@ def test_evidence_counts_each_proof():
     assert plan.evidence == ("2x SDPA with is_causal=True",)
 
 
+class _Returns(torch.nn.Module):
+    """A model whose output is `out(input_ids, position_ids)`."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+        self.out = out
+
+    def forward(self, input_ids, position_ids=None):
+        return self.out(input_ids, position_ids, self.weight)
+
+
+def _graph_break(ids, positions, weight):
+    hidden = ids[..., None] * weight
+    torch._dynamo.graph_break()
+    return hidden.sum(1, keepdim=True).expand(hidden.shape)  # reduces across the sequence axis
+
+
+@pytest.mark.parametrize("model, reason", [
+    # a graph break would hand over only the graph before it: the plan must refuse, not judge half the model
+    (_Returns(_graph_break), "tracing with a symbolic length failed: Unsupported: "),
+    (_Returns(lambda ids, positions, weight: ids),
+     "tracing with a symbolic length failed: RuntimeError: the capture backend was never called: Dynamo produced no "
+     "graph for the model"),
+    (_Returns(lambda ids, positions, weight: positions[..., None] * weight),
+     "could not find the token ids among the graph inputs"),
+])
+def test_a_model_that_cannot_be_analysed_as_one_graph_of_token_ids_is_refused(model, reason):
+    plan = analyse_padding(model, BUCKETS, CPU, notes=("a note",))
+    assert not plan.safe and plan.reason.startswith(reason) and len(plan.reason) <= 500
+    assert plan.notes == ("a note",) and plan.buckets == BUCKETS
+
+
+def test_example_inputs_are_a_prompt_of_the_signature_on_the_device():
+    meta = torch.device("meta")
+    plain = example_inputs(GraphSignature(6, batch=2), meta, PrefillAdapter(torch.nn.Embedding(4, 2)))  # no positions
+    assert list(plain) == ["input_ids"]
+    ids = plain["input_ids"]
+    assert (ids.shape, ids.dtype, ids.device) == ((2, 6), torch.long, meta)
+    cpu = example_inputs(GraphSignature(6, batch=2, logits="last"), CPU, PrefillAdapter(_Toy(torch.nn.Identity())))
+    assert list(cpu) == ["input_ids", "position_ids", "last_index"]
+    assert cpu["input_ids"].tolist() == [[0] * 6] * 2
+    assert cpu["position_ids"].tolist() == [list(range(6))] * 2 and cpu["position_ids"].is_contiguous()
+    assert cpu["last_index"].tolist() == [5, 5] and cpu["last_index"].dtype == torch.long
+    on_meta = example_inputs(GraphSignature(6, batch=2, logits="last"), meta, PrefillAdapter(_Toy(torch.nn.Identity())))
+    assert {name: t.device for name, t in on_meta.items()} == dict.fromkeys(cpu, meta)
+
+
 def test_a_graph_without_a_sequence_symbol_is_refused():
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     plan = plan_from_graph(gm, set(), (16,))
     assert not plan.safe and "sequence length was specialised" in plan.reason
+
+
+def _size_placeholder(graph: fx.Graph, shape_env: ShapeEnv, name: str, traced: int) -> fx.Node:
+    """A graph input that is a symbolic size, traced at `traced` (as Dynamo passes sizes to an aten graph)."""
+    node = graph.placeholder(name)
+    node.meta["val"] = shape_env.create_symintnode(shape_env.create_symbol(traced, ConstantSource(name)), hint=traced)
+    return node
+
+
+def test_a_mask_is_evaluated_at_the_probe_length_with_every_other_size_as_traced():
+    # arange(seq) + width + a constant held by a submodule: only the sequence length takes the probe length.
+    shape_env, graph = ShapeEnv(), fx.Graph()
+    seq = _size_placeholder(graph, shape_env, "seq", 8)
+    width = _size_placeholder(graph, shape_env, "width", 3)
+    tokens = graph.placeholder("tokens")
+    tokens.meta["val"] = torch.zeros(2, dtype=torch.long)
+    root = torch.nn.Module()
+    root.inner = torch.nn.Module()
+    root.inner.register_buffer("offset", torch.tensor([100]))
+    positions = graph.call_function(torch.add, (graph.call_function(torch.arange, (seq,)), width))
+    shifted = graph.call_function(torch.add, (positions, graph.get_attr("inner.offset")))
+    read_tokens = graph.call_function(torch.add, (positions, tokens))
+    by_module = graph.call_module("inner", (positions,))
+    graph.output((shifted, read_tokens, by_module))
+    analysis = PaddingAnalysis(fx.GraphModule(root, graph), seq.meta["val"].node.expr.free_symbols, max_length=16)
+    assert analysis.evaluate(shifted, 5).tolist() == [103, 104, 105, 106, 107]
+    assert analysis.evaluate(seq, 11) == 11 and analysis.evaluate(width, 11) == 3
+    with pytest.raises(ValueError, match="^depends on graph input tokens$"):
+        analysis.evaluate(read_tokens, 5)
+    with pytest.raises(ValueError, match="^cannot evaluate call_module node inner$"):
+        analysis.evaluate(by_module, 5)

@@ -180,3 +180,75 @@ def test_refused_model_runs_each_prompt_at_its_own_length():
         for b, n in enumerate((7, 4)):
             expected = bert(ids[b:b + 1, :n]).last_hidden_state
             assert_logits_match(out.logits[b:b + 1, :n], expected)
+
+
+class _TinyLM(torch.nn.Module):
+    """A causal LM in miniature, quick to trace: per-token logits and one layer's keys and values (a legacy tuple
+    cache), which it returns only when asked to (use_cache)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, 32)
+
+    def forward(self, input_ids, position_ids=None, use_cache=True):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        hidden = self.embed(input_ids) + position_ids[..., None]
+        keys = hidden[:, None] * 2
+        return CausalLMOutputWithPast(logits=self.head(hidden), past_key_values=((keys, -keys),) if use_cache else None)
+
+
+class _RecordingBackend:
+    """Stands in for TtftcBackend: keeps its config and, per graph it is handed, whether the graph's sizes are
+    symbolic; runs the graph as it is."""
+
+    made: list = []
+
+    def __init__(self, config):
+        self.config, self.symbolic = config, []
+        _RecordingBackend.made.append(self)
+
+    def __call__(self, gm, example_inputs):
+        values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        self.symbolic.append(any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+            isinstance(size, torch.SymInt) for size in v.shape)) for v in values))
+        return gm.forward
+
+
+def test_the_dynamic_runner_compiles_the_prefill_with_the_ttftc_backend_and_symbolic_sizes(monkeypatch):
+    from ttftc.buckets.compiled import dynamic_runner
+
+    monkeypatch.setattr("ttftc.dynamo_backend.TtftcBackend", _RecordingBackend)
+    monkeypatch.setattr(_RecordingBackend, "made", [])
+    model, config = _TinyLM().eval(), ttftc.Config(buckets=(16,))
+    ids = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    tensors = {"input_ids": ids, "position_ids": torch.arange(5).expand(2, 5), "last_index": torch.tensor([4, 2])}
+    with torch.no_grad():
+        expected = model(ids, tensors["position_ids"])
+        last = dynamic_runner(model, config, "last", False)(tensors)
+        full = dynamic_runner(model, config, "all", True)(tensors)
+    assert list(last) == ["logits"]
+    assert torch.equal(last["logits"], expected.logits[[0, 1], [4, 2]][:, None])
+    assert list(full) == ["logits", "k0", "v0"] and torch.equal(full["logits"], expected.logits)
+    assert torch.equal(full["k0"], expected.past_key_values[0][0]) and torch.equal(full["v0"], expected.past_key_values[0][1])
+    assert [(b.config, b.symbolic) for b in _RecordingBackend.made] == [(config, [True]), (config, [True])]
+
+
+def test_compiled_graphs_make_one_dynamic_runner_per_output_kind(monkeypatch):
+    from ttftc.buckets import compiled
+
+    made = []
+
+    def fake_runner(model, config, logits, kv):
+        made.append((model, config, logits, kv))
+        return lambda tensors: (logits, kv)
+
+    monkeypatch.setattr(compiled, "dynamic_runner", fake_runner)
+    model, config = _TinyLM(), ttftc.Config(buckets=(16,))
+    source = compiled.CompiledGraphs(model, config)
+    last, full = source.dynamic("last", False), source.dynamic("all", True)
+    assert last({}) == ("last", False) and full({}) == ("all", True)
+    assert source.dynamic("last", False) is last and source.dynamic("all", True) is full
+    assert made == [(model, config, "last", False), (model, config, "all", True)]

@@ -210,7 +210,6 @@ class PaddingAnalysis:
     # -- mask evaluation -------------------------------------------------------------------------------
     def evaluate(self, node: fx.Node, length: int) -> Any:
         """The concrete value of a data-independent node when the sequence length is `length`."""
-        needed: list[fx.Node] = []
         seen: set[fx.Node] = set()
         stack = [node]
         while stack:
@@ -218,7 +217,6 @@ class PaddingAnalysis:
             if n in seen:
                 continue
             seen.add(n)
-            needed.append(n)
             stack.extend(n.all_input_nodes)
         env: dict[fx.Node, Any] = {}
         for n in self.gm.graph.nodes:  # graph order is a topological order
