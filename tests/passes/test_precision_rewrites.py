@@ -82,6 +82,12 @@ def dtypes(node, *indices) -> tuple:
     return tuple(gu.dtype_of(node.args[i]) for i in indices)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Nothing here compiles: skip conftest's two Dynamo resets per test (75 ms each, most of a test's time)."""
+    yield
+
+
 @pytest.fixture
 def caps(monkeypatch):
     """Pin the probe (NATIVE unless set otherwise); records the devices it was asked about."""
@@ -935,31 +941,32 @@ def test_int8_lone_consumer_quantises_in_its_prologue(caps):
     assert lin.args[1] is None and gu.is_call(lin.args[0], aten.mul.Tensor)
 
 
-def _norm_then_linears(n_linears, extra_user=False):
-    def fn(x, r, nw, *ws):
-        h, res = tt.norm(x, nw, None, r, kind="rms", eps=1e-5)
+def _norm_then_linears(n_linears, extra_user=False, kind="rms"):
+    def fn(x, r, nw, nb, *ws):
+        h, res = tt.norm(x, nw, nb if kind == "layer" else None, r, kind=kind, eps=1e-5)
         h3 = h.view(2, 3, 64)
         outs = [F.linear(h3, w) for w in ws]
         return (*outs, res * 1) + ((h.sum(),) if extra_user else ())
     ws = {f"w{i}": _rand(32, 64, seed=60 + i) for i in range(n_linears)}
-    return build(fn, [torch.zeros(6, 64), torch.zeros(6, 64)], {"nw": NORM_W, **ws}), ws
+    return build(fn, [torch.zeros(6, 64), torch.zeros(6, 64)], {"nw": NORM_W, "nb": NORM_B, **ws}), ws
 
 
-@pytest.mark.parametrize("n_linears", [1, 2])
-def test_int8_norm_feeding_int8_gemms_quantises(caps, n_linears):
-    gm, ws = _norm_then_linears(n_linears)
-    ref, _ = _norm_then_linears(n_linears)
+@pytest.mark.parametrize("n_linears, kind", [(1, "rms"), (2, "layer")])
+def test_int8_norm_feeding_int8_gemms_quantises(caps, n_linears, kind):
+    gm, ws = _norm_then_linears(n_linears, kind=kind)
+    ref, _ = _norm_then_linears(n_linears, kind=kind)
     run(gm, "int8")
     assert not calls(gm, tt.norm.default, tt.quantize_per_token.default)
     nq = one(gm, tt.norm_quant.default)
-    assert nq.kwargs == {"kind": "rms", "eps": 1e-5} and nq.args[2] is None and nq.args[3] is not None
+    assert nq.kwargs == {"kind": kind, "eps": 1e-5} and (nq.args[2] is None) == (kind == "rms")
+    assert nq.args[3] is not None
     for lin in calls(gm, tt.int8_linear.default):
         assert gu.through_views(lin.args[0]).args == (nq, 0) and lin.args[1].args == (nq, 1)
     x, r = _rand(6, 64, seed=70), _rand(6, 64, seed=71)
     got, want = gm(x, r), ref(x, r)
     torch.testing.assert_close(got[-1], want[-1])  # the residual stream, read from norm_quant's third output
     from ttftc.ops.norm_linear import normalize
-    h = normalize(x + r, NORM_W, None, kind="rms", eps=1e-5)
+    h = normalize(x + r, NORM_W, NORM_B if kind == "layer" else None, kind=kind, eps=1e-5)
     for out, w in zip(got[:-1], ws.values()):
         torch.testing.assert_close(out, _int8_reference(h, w).view(2, 3, -1), atol=1e-5, rtol=1e-5)
 
@@ -1231,6 +1238,7 @@ def test_fused_nodes_are_named_by_the_layers_they_feed():
     out0 = _node(g, operator.getitem, fused, 0)
     res = _node(g, operator.getitem, fused, 1)
     _node(g, aten.view.default, out0, [1], stack=["L['self'].model.layers[0].self_attn.q_proj"])
+    _node(g, aten.view.default, out0, [2], stack=["L['self'].model.layers[0].self_attn.q_proj"])  # named once
     split = _node(g, aten.split.Tensor, out0, 2)
     _node(g, aten.view.default, split, [1], stack=["L['self'].model.layers[0].self_attn.k_proj"])
     _node(g, aten.add.Tensor, split, 1, stack=["L['self'].model.layers[0]"])  # a prefix of the others: dropped
@@ -1549,28 +1557,28 @@ def test_int_mm_chain_pieces():
     assert info["x_scale"] in muls[-2].args and torch.equal(info["w_q"], W_Q)
 
 
-def _uint8_gm(offset=128, correction=True, corr_offset=128, corr_dim=0, widen=torch.int32):
+def _uint8_gm(offset=128, correction=True, corr_offset=128, widen=torch.int32, sum_of=lambda b: b):
+    """torchao's CPU form: _int_mm of (x_q + 128) as uint8, minus 128 · the column sums of B."""
     def fn(x, w_q, w_s):
         x_q, scale = _per_token(x)
         a = (x_q.to(widen) + offset).to(torch.uint8)
         b = w_q.t()
         y = torch._int_mm(a, b)
         if correction:
-            y = y - b.to(torch.int32).sum([corr_dim]) * corr_offset if corr_dim == 0 else y - b.sum([1])[:1] * 128
+            y = y - sum_of(b).sum([0]) * corr_offset
         return y.to(FP32) * scale * w_s
     return build(fn, [torch.zeros(6, 64)], {"w_q": W_Q, "w_s": W_S})
 
 
 def test_int_mm_uint8_offset_form(caps):
     gm = _uint8_gm()
-    sub = one(gm, aten.sub.Tensor)
-    b = one(gm, aten._int_mm.default).args[1]
-    assert not _quant_patterns._is_offset_correction(sub, one(gm, aten._int_mm.default), b)  # sum of a cast of b
-    # torchao sums B itself; rebuild the correction that way.
+    sub, mm = one(gm, aten.sub.Tensor), one(gm, aten._int_mm.default)
+    assert _quant_patterns._is_offset_correction(sub, mm, mm.args[1])
     total = sub.args[1].args[0]
-    total.args = (b, *total.args[1:])
-    gu.refresh_meta(gm, total)
-    assert _quant_patterns._is_offset_correction(sub, one(gm, aten._int_mm.default), b)
+    total.args = (total.args[0], [1])  # a sum over the other dimension is no correction
+    assert not _quant_patterns._is_offset_correction(sub, mm, mm.args[1])
+    total.args = (total.args[0], [0])
+    assert _quant_patterns._is_offset_correction(sub, mm, mm.args[1])
     info = _chain(gm)
     assert not isinstance(info, str), info
     assert gu.dtype_of(info["x_root"]) == INT8 and info["x_root"].target is aten._to_copy.default
@@ -1587,7 +1595,7 @@ def test_int_mm_uint8_offset_form(caps):
 @pytest.mark.parametrize("kwargs, reason", [
     ({"correction": False}, "uint8 activation without the matching offset correction"),
     ({"corr_offset": 127}, "uint8 activation without the matching offset correction"),
-    ({"corr_dim": 1}, "uint8 activation without the matching offset correction"),
+    ({"sum_of": lambda b: b.to(torch.int32)}, "uint8 activation without the matching offset correction"),
     ({"offset": 127}, "activation operand is torch.uint8, not int8"),
     ({"widen": torch.int64}, "activation operand is torch.uint8, not int8"),
 ])
@@ -1762,3 +1770,97 @@ def test_pt2e_activation_through_two_row_views(caps):
     assert tuple(gu.val(x).shape) == (6, 64) and x.args[0].target is aten.unsqueeze.default
     xin = _rand(2, 3, 64, seed=95)
     torch.testing.assert_close(gm(xin), ref(xin), atol=1e-5, rtol=1e-5)
+
+
+def test_pt2e_per_channel_scales_of_another_float_dtype_become_fp32():
+    gm = pt2e_gm()
+    set_constant(gm, "w_s", W_S.double())
+    assert _match(gm)["w_scale"].dtype == FP32 and torch.equal(_match(gm)["w_scale"], W_S)
+
+
+def test_int_mm_weight_operand_that_is_not_int8_2d():
+    gm = int_mm_gm()
+    mm = one(gm, aten._int_mm.default)
+    assert torch.equal(_quant_patterns._int8_weight_operand(gm, mm.args[1]), W_Q)
+    set_constant(gm, "w_q", W_Q.view(torch.uint8))
+    assert _quant_patterns._int8_weight_operand(gm, mm.args[1]) is None
+    assert _chain(gm) == "weight operand is not an int8 [N, K] matrix under t()"
+    set_constant(gm, "w_q", W_Q[None])
+    assert _quant_patterns._int8_weight_operand(gm, mm.args[1]) is None
+    gm = int_mm_gm(frozen_t=True)
+    mm = one(gm, aten._int_mm.default)
+    assert torch.equal(_quant_patterns._int8_weight_operand(gm, mm.args[1]), W_Q)
+    set_constant(gm, "w_q", W_Q.t().contiguous().view(torch.uint8))
+    assert _quant_patterns._int8_weight_operand(gm, mm.args[1]) is None
+    gm = int_mm_gm(live_w=True)
+    mm = one(gm, aten._int_mm.default)
+    live = mm.args[1].args[0]
+    assert _quant_patterns._int8_weight_operand(gm, mm.args[1]) is live
+    live.meta["val"] = gu.val(live).view(torch.uint8)
+    assert _quant_patterns._int8_weight_operand(gm, mm.args[1]) is None
+    live.meta["val"] = gu.val(live).view(torch.int8)[None]
+    assert _quant_patterns._int8_weight_operand(gm, mm.args[1]) is None
+    assert _quant_patterns._int8_weight_operand(gm, live) is None  # not under t()
+
+
+def _chain_of(fn, *consts):
+    gm = build(fn, [torch.zeros(6, 64)], {"w_q": W_Q, "w_s": W_S, "b": B})
+    return gm, _chain(gm)
+
+
+def test_int_mm_chain_shapes_of_what_follows():
+    def mm(x, w_q):
+        return torch._int_mm(_per_token(x)[0], w_q.t())
+    # A cast between the two scale multiplies, a cast to an integer, a bias before the scales: no chain.
+    for fn in (lambda x, w_q, w_s, b: (mm(x, w_q) * _per_token(x)[1]).to(BF16) * w_s,
+               lambda x, w_q, w_s, b: (mm(x, w_q) * w_s).to(BF16) * _per_token(x)[1],
+               lambda x, w_q, w_s, b: mm(x, w_q).to(torch.int64) * _per_token(x)[1] * w_s,
+               lambda x, w_q, w_s, b: (mm(x, w_q) + b) * _per_token(x)[1] * w_s):
+        assert _chain_of(fn)[1] == "no per-token activation scale and per-channel weight scale multiplies after it"
+    # A python-number bias and a second weight scale stay outside the chain.
+    gm, info = _chain_of(lambda x, w_q, w_s, b: mm(x, w_q) * _per_token(x)[1] * w_s + 1.0)
+    assert info["end"] is calls(gm, aten.mul.Tensor)[-1] and info["bias"] is None
+    gm, info = _chain_of(lambda x, w_q, w_s, b: mm(x, w_q) * _per_token(x)[1] * w_s * w_s)
+    assert info["end"] is calls(gm, aten.mul.Tensor)[-2]
+    # At most five steps: cast, cast, cast, two scales, and the bias is left out.
+    gm, info = _chain_of(lambda x, w_q, w_s, b: mm(x, w_q).to(FP32).to(BF16).to(FP32) * _per_token(x)[1] * w_s + b)
+    assert info["end"] is calls(gm, aten.mul.Tensor)[-1] and info["bias"] is None
+
+
+def test_int8_chain_with_a_second_weight_scale_keeps_it(caps):
+    fn = lambda x, w_q, w_s: torch._int_mm(_per_token(x)[0], w_q.t()).float() * _per_token(x)[1] * w_s * w_s  # noqa
+    gm, ref = (build(fn, [torch.zeros(6, 64)], {"w_q": W_Q, "w_s": W_S}) for _ in range(2))
+    assert run(gm, "int8").matched == 1
+    x = _rand(6, 64, seed=97)
+    torch.testing.assert_close(gm(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_int8_gemms_reading_a_tuple_output_other_than_a_norms_share_a_quantize_per_token(caps):
+    def fn(x, w1, w2):
+        values = torch.sort(x, dim=-1)[0]
+        return F.linear(values, w1), F.linear(values, w2)
+    gm = build(fn, [torch.zeros(6, 64)], {"w1": W, "w2": W})
+    run(gm, "int8")
+    quant = one(gm, tt.quantize_per_token.default)
+    assert quant.args[0].args[0].target is aten.sort.default and not calls(gm, tt.norm_quant.default)
+
+
+def _norm_linear_promoting(x_dtype, norm_w):
+    """A norm_linear whose output dtype (promoted with norm_w's) differs from its residual output's (x's)."""
+    def fn(x, r, nw, w):
+        out, res = tt.norm_linear(x, nw, None, w, None, r, kind="rms", eps=1e-5)
+        return out * 1, res * 1
+    return build(fn, [torch.zeros(6, 64, dtype=x_dtype), torch.zeros(6, 64, dtype=x_dtype)],
+                 {"nw": norm_w, "w": W.to(x_dtype)})
+
+
+def test_norm_linear_rewrites_keep_the_promoted_output_dtype(caps):
+    gm = _norm_linear_promoting(FP32, NORM_W.double())
+    assert run(gm, "bf16").matched == 1
+    out, res = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert (gu.dtype_of(out), gu.dtype_of(res)) == (torch.float64, FP32)
+    gm = _norm_linear_promoting(BF16, NORM_W)
+    assert run(gm, "int8").matched == 1
+    assert one(gm, tt.int8_linear.default).kwargs == {"out_dtype": FP32}
+    out, res = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert (gu.dtype_of(out), gu.dtype_of(res)) == (FP32, BF16)
