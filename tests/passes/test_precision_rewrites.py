@@ -1864,3 +1864,26 @@ def test_norm_linear_rewrites_keep_the_promoted_output_dtype(caps):
     assert one(gm, tt.int8_linear.default).kwargs == {"out_dtype": FP32}
     out, res = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert (gu.dtype_of(out), gu.dtype_of(res)) == (FP32, BF16)
+
+
+@pytest.mark.parametrize("make, biases", [
+    (lambda: linear_act_gm(bias=True), {"b": "_ttftc____linear_act__b"}),
+    (lambda: gated_ffn_gm(biases=True), {"b_gu": "_ttftc____gated_ffn__b_gate_up",
+                                         "b_down": "_ttftc____gated_ffn__b_down"}),
+    (lambda: norm_linear_gm(bias=True), {"b": "_ttftc____norm_linear__b"}),
+])
+def test_int8_fused_ops_widen_bf16_biases_to_fp32_constants(caps, make, biases):
+    gm = make()
+    values = {name: gu.constant_value(gm, next(n for n in gm.graph.nodes if n.target == name)) for name in biases}
+    for name, value in values.items():
+        set_constant(gm, name, value.to(BF16))
+    assert run(gm, "int8").matched == 1
+    node = one(gm, tt.gated_ffn_int8.default) if "b_gu" in biases else one(gm, tt.int8_linear.default)
+    read = {n.target: n for n in node.args if isinstance(n, fx.Node) and n.op == "get_attr"}
+    for name, new_name in biases.items():
+        assert gu.dtype_of(read[new_name]) == FP32
+        assert torch.equal(gu.constant_value(gm, read[new_name]), values[name].to(BF16).float())
+    kind = next(iter(biases.values()))[len("_ttftc____"):].rsplit("__", 1)[0]
+    weights = {f"_ttftc____{kind}__int8", f"_ttftc____{kind}__scale"} if "b_gu" not in biases else {
+        f"_ttftc____gated_ffn__{a}_{b}" for a in ("gate_up", "down") for b in ("int8", "scale")}
+    assert attrs(gm) - {"norm_w"} == weights | set(biases.values())  # norm_quant reads the norm weight as it was
