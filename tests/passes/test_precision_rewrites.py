@@ -1227,6 +1227,9 @@ def test_module_path():
     assert _module_names.module_path(x) is None
     x.meta["nn_module_stack"] = {"a": ("L['self'].model", None), "b": ("L['self'].model.layers[1]", None)}
     assert _module_names.module_path(x) == "model.layers.1"
+    x.meta["nn_module_stack"] = {"a": ("L['self'].model", None), "b": ("L['self'].model.layers[1]", None),
+                                 "c": ("L['self'].model.layers[1].mlp", None)}
+    assert _module_names.module_path(x) == "model.layers.1.mlp"  # the innermost
     x.meta["nn_module_stack"] = {"a": "L['self'].lm_head"}
     assert _module_names.module_path(x) == "lm_head"
 
@@ -1260,6 +1263,8 @@ def test_downstream_names_skip_the_next_gemms_input_view_and_stop_at_depth_5():
     _node(g, aten.mm.default, flat, w)
     assert _module_names.node_module_names(fused) == []
     assert _module_names.describe(fused, "gated_ffn") == "? (gated_ffn)"
+    _node(g, aten.relu.default, fused, stack=["L['self'].mlp.down_proj"])  # after the skipped view: still read
+    assert _module_names.node_module_names(fused) == ["mlp.down_proj"]
     # A chain of unnamed nodes: a name 5 steps down is found, 6 steps down is not.
     g = fx.Graph()
     x = g.placeholder("x")
