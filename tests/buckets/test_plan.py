@@ -368,6 +368,21 @@ def test_a_model_that_cannot_be_analysed_as_one_graph_of_token_ids_is_refused(mo
     assert plan.notes == ("a note",) and plan.buckets == BUCKETS
 
 
+class _EveryInput(torch.nn.Module):
+    def forward(self, input_ids, position_ids=None, use_cache=True, logits_to_keep=0):
+        return input_ids
+
+
+def test_the_prefill_adapter_reads_the_model_signature_and_defaults_to_every_logit_and_the_cache():
+    toy = PrefillAdapter(_Toy(torch.nn.Identity()))
+    assert (toy.logits, toy.kv) == ("all", True)
+    assert (toy.takes_positions, toy.takes_use_cache, toy.takes_logits_to_keep) == (True, False, False)
+    full = PrefillAdapter(_EveryInput(), logits="last", kv=False)
+    assert (full.logits, full.kv) == ("last", False)
+    assert (full.takes_positions, full.takes_use_cache, full.takes_logits_to_keep) == (True, True, True)
+    assert not PrefillAdapter(torch.nn.Embedding(4, 2)).takes_positions
+
+
 def test_example_inputs_are_a_prompt_of_the_signature_on_the_device():
     meta = torch.device("meta")
     plain = example_inputs(GraphSignature(6, batch=2), meta, PrefillAdapter(torch.nn.Embedding(4, 2)))  # no positions

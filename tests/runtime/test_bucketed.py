@@ -1,6 +1,8 @@
 """The bucketed model: padded runs equal unpadded eager at every real position, and warm buckets never recompile."""
 
 import random
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import ttftc
 from tests.graph_checks import lowered_ops
 from tests.helpers import assert_logits_match, needs_transformers, zoo_cases
 from ttftc import zoo
+from ttftc.buckets.table import DEFAULT_BUCKETS
 from ttftc.runtime.bucketed import BucketedModel, PromptTooLongError, compile_bucketed
 
 pytestmark = needs_transformers
@@ -252,3 +255,182 @@ def test_compiled_graphs_make_one_dynamic_runner_per_output_kind(monkeypatch):
     assert last({}) == ("last", False) and full({}) == ("all", True)
     assert source.dynamic("last", False) is last and source.dynamic("all", True) is full
     assert made == [(model, config, "last", False), (model, config, "all", True)]
+
+
+def test_a_model_that_updates_its_own_state_cannot_be_captured():
+    from ttftc.buckets.capture import capture_graph
+    from ttftc.buckets.program import GraphSignature
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 4)
+            self.calls = torch.ones(4)  # a plain tensor, neither parameter nor buffer: a graph input under Dynamo
+
+        def forward(self, input_ids):
+            self.calls.add_(1)
+            return self.embed(input_ids) * self.calls
+
+    message = ("the prefill graph reads inputs other than the prompt tensors ([None, 'input_ids']); it cannot run "
+               "without Dynamo. This happens when a model keeps mutable state (e.g. a static cache) inside the module.")
+    with pytest.raises(RuntimeError) as raised:
+        capture_graph(Counting().eval(), GraphSignature(8), ttftc.Config(), torch.device("cpu"))
+    assert str(raised.value) == message
+
+
+class _Configured(torch.nn.Module):
+    """A model with an HF-like `config` (any attributes) and, optionally, a token embedding of `vocab` rows."""
+
+    def __init__(self, vocab=None, **config):
+        super().__init__()
+        self.config = SimpleNamespace(**config)
+        if vocab is not None:
+            self.embed = torch.nn.Embedding(vocab, 2)
+            self.get_input_embeddings = lambda: self.embed
+
+
+def test_what_compiled_graphs_read_from_a_model():
+    from ttftc.buckets.compiled import max_positions_of, model_device, vocab_size_of
+
+    assert max_positions_of(_Configured(max_position_embeddings=1, n_positions=64)) == 1
+    assert max_positions_of(_Configured(max_position_embeddings=0, n_positions=64)) == 64
+    assert max_positions_of(_Configured(max_position_embeddings=512.0)) is None
+    assert max_positions_of(torch.nn.Linear(2, 2)) is None
+    text = SimpleNamespace(vocab_size=70)
+    assert vocab_size_of(_Configured(vocab=50, vocab_size=99)) == 50  # the embedding's rows win
+    assert vocab_size_of(_Configured(vocab_size=1)) == 1
+    assert vocab_size_of(_Configured(vocab_size=99, get_text_config=lambda: text)) == 70  # a multimodal config
+    assert [vocab_size_of(_Configured(vocab_size=v)) for v in (0, None, 8.0)] == [None, None, None]
+    assert vocab_size_of(torch.nn.Linear(2, 2)) is None
+    assert model_device(torch.nn.Linear(2, 2), ttftc.Config(device="cuda")) == torch.device("cuda")
+    assert model_device(torch.nn.Linear(2, 2, device="meta"), ttftc.Config()) == torch.device("meta")
+    assert model_device(torch.nn.ReLU(), ttftc.Config()) == torch.device("cpu")  # no parameters
+
+
+class _FakeCache:
+    """A compile cache in a dict, recording what is asked of it."""
+
+    def __init__(self):
+        self.calls, self.plans, self.graphs = [], {}, {}
+
+    def load_plan(self, model, device, buckets):
+        self.calls.append(("load_plan", model, device, buckets))
+        return self.plans.get(buckets)
+
+    def store_plan(self, model, device, buckets, plan):
+        self.calls.append(("store_plan", model, device, buckets, plan))
+        self.plans[buckets] = plan
+
+    def load_graph(self, model, config, signature, device):
+        self.calls.append(("load_graph", model, config, signature, device))
+        return self.graphs.get(signature)
+
+    def store_graph(self, model, config, program, device):
+        self.calls.append(("store_graph", model, config, program, device))
+        self.graphs[program.signature] = program
+
+
+def test_compiled_graphs_plan_once_with_capped_buckets_and_keep_the_plan_in_the_cache(monkeypatch):
+    from ttftc.buckets import compiled
+    from ttftc.buckets.plan import refused
+
+    analysed = []
+
+    def fake_analyse(model, buckets, device, notes):
+        analysed.append((model, buckets, device, list(notes)))
+        return refused(buckets, "fake", notes)
+
+    monkeypatch.setattr(compiled, "analyse_padding", fake_analyse)
+    cpu, cache = torch.device("cpu"), _FakeCache()
+    model = _Configured(vocab=8, max_position_embeddings=24)
+    source = compiled.CompiledGraphs(model, ttftc.Config(buckets=(16, 32, 64)), cache=cache)
+    assert (source.max_positions, source.vocab_size, source.takes_positions) == (24, 8, False)
+    assert compiled.CompiledGraphs(_TinyLM(), ttftc.Config()).takes_positions
+    plan = source.plan
+    assert source.plan is plan and plan.buckets == (16, 24)
+    capped = ["buckets above the model's 24 positions were capped to it"]
+    assert analysed == [(model, (16, 24), cpu, capped)]
+    assert cache.calls == [("load_plan", model, cpu, (16, 24)), ("store_plan", model, cpu, (16, 24), plan)]
+    assert compiled.CompiledGraphs(model, ttftc.Config(buckets=(16, 32, 64)), cache=cache).plan is plan  # cached
+    assert len(analysed) == 1
+    uncapped = compiled.CompiledGraphs(model, ttftc.Config(buckets=(8, 16)), cache=None).plan
+    assert uncapped.buckets == (8, 16) and analysed[-1] == (model, (8, 16), cpu, [])
+    assert compiled.CompiledGraphs(_Configured(vocab=8), ttftc.Config(), cache=None).plan.buckets == DEFAULT_BUCKETS
+
+
+def test_compiled_graphs_compile_each_signature_once_and_load_what_the_cache_holds(monkeypatch):
+    from ttftc.buckets import compiled
+    from ttftc.buckets.program import GraphProgram, GraphSignature
+    from ttftc.report import Report
+
+    captured = []
+
+    def fake_capture(model, signature, config, device):
+        gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+        gm.register_buffer("weight", torch.ones(3))  # the same constant in every graph
+        captured.append((model, signature, config, device))
+        return GraphProgram(signature, gm, ["input_ids"], ["logits"]), Report(graphs=1)
+
+    monkeypatch.setattr(compiled, "capture_graph", fake_capture)
+    cpu, cache, config = torch.device("cpu"), _FakeCache(), ttftc.Config(buckets=(16, 32))
+    model = _Configured(vocab=8)
+    signatures = [GraphSignature(16), GraphSignature(32, logits="last")]
+    source = compiled.CompiledGraphs(model, config, cache=cache)
+    programs = [source.get(s) for s in signatures + signatures]
+    assert programs[2:] == programs[:2] and source.programs == dict(zip(signatures, programs[:2]))
+    assert captured == [(model, s, config, cpu) for s in signatures]
+    assert source.compiles == 2 and source.cache_hits == 0 and source.reports == [Report(graphs=1)] * 2
+    assert len(source.pool.tensors) == 1 and programs[1].gm.weight is programs[0].gm.weight
+    assert [c for c in cache.calls if c[0] == "store_graph"] == [("store_graph", model, config, p, cpu)
+                                                                 for p in programs[:2]]
+    warm = compiled.CompiledGraphs(model, config, cache=cache)
+    assert [warm.get(s) for s in signatures] == programs[:2] and len(captured) == 2
+    assert warm.cache_hits == 2 and warm.compiles == 0 and warm.reports == [] and len(warm.pool.tensors) == 1
+    assert cache.calls[-1] == ("load_graph", model, config, signatures[1], cpu)
+    cold = compiled.CompiledGraphs(model, config, cache=None)
+    assert cold.get(signatures[0]).signature == signatures[0] and cold.compiles == 1 and len(captured) == 3
+
+
+class _CountingLock:
+    """A lock that counts the threads that asked for it, so a test can wait until a second one is queued."""
+
+    def __init__(self):
+        self.lock, self.asked, self.changed = threading.Lock(), 0, threading.Condition()
+
+    def __enter__(self):
+        with self.changed:
+            self.asked += 1
+            self.changed.notify_all()
+        self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+    def wait_for(self, asked):
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.asked >= asked, timeout=60)
+
+
+def test_two_threads_asking_for_the_same_cold_graph_compile_it_once(monkeypatch):
+    from ttftc.buckets import compiled
+    from ttftc.buckets.program import GraphProgram, GraphSignature
+    from ttftc.report import Report
+
+    source = compiled.CompiledGraphs(_Configured(vocab=8), ttftc.Config(buckets=(16,)), cache=None)
+    source._lock = lock = _CountingLock()
+    captured = []
+
+    def fake_capture(model, signature, config, device):
+        captured.append(signature)
+        lock.wait_for(2)  # the second thread missed the graph too and waits for the lock this compile holds
+        return GraphProgram(signature, torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), [], []), Report()
+
+    monkeypatch.setattr(compiled, "capture_graph", fake_capture)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(source.get(GraphSignature(16)))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert captured == [GraphSignature(16)] and source.compiles == 1
+    assert len(results) == 2 and results[0] is results[1]
