@@ -1373,6 +1373,7 @@ def test_pt2e_linear_fuses_into_int8_linear(caps, precision, bias, x_shape):
     assert torch.equal(gu.constant_value(gm, lin.args[2]), W_Q)
     assert torch.equal(gu.constant_value(gm, lin.args[3]), W_S)
     assert (gu.constant_value(gm, lin.args[4]) is B) if bias else lin.args[4] is None
+    assert attrs(gm) == {"_ttftc_quant_w_int8", "_ttftc_quant_w_scale"} | ({"b"} if bias else set())
     assert lin.kwargs == {"out_dtype": FP32}
     scale = lin.args[1]  # one python-float scale for the tensor, spread over the tokens
     assert tuple(gu.val(scale).shape) == (6,) and gu.dtype_of(scale) == FP32
@@ -1462,6 +1463,11 @@ def test_pt2e_non_patterns():
                                                               0.02, 0, -128, 127, INT8), w.float() * 0.01),
                [torch.zeros(6, 64)], {"w": W_Q})
     assert _match(gm) is None  # the weight is scaled by hand, not a dequantize op
+    gm = build(lambda x, w: torch.mm(QD.dequantize_per_tensor(QD.quantize_per_tensor(x, 0.02, 0, -128, 127, INT8),
+                                                              0.02, 0, -128, 127, INT8),
+                                     QD.dequantize_per_tensor(w, 0.004, 0, -128, 127, INT8) * 1),
+               [torch.zeros(6, 64)], {"w": W_Q.t().contiguous()})
+    assert _match(gm) is None  # a dequantized weight under another op than t()
 
 
 def test_pt2e_without_the_decomposed_ops(monkeypatch):
@@ -1742,7 +1748,7 @@ def test_replace_existing_quant_with_a_frozen_bf16_bias_and_an_fp32_live_scale()
         lin = _quant_patterns.replace_existing_quant(gm, x, {"x_root": x, "x_chain": [], "x_scale": s, "w_q": wq,
                                                              "w_scale": ws, "bias": bias, "out_dtype": FP32})
     assert torch.equal(gu.constant_value(gm, lin.args[4]), B.to(BF16).float())
-    assert gu.dtype_of(lin.args[4]) == FP32
+    assert gu.dtype_of(lin.args[4]) == FP32 and lin.args[4].target == "_ttftc_quant_bias"
     assert lin.args[3].target is aten.reshape.default  # already fp32: no cast
 
 
@@ -1820,7 +1826,9 @@ def test_int_mm_chain_shapes_of_what_follows():
     for fn in (lambda x, w_q, w_s, b: (mm(x, w_q) * _per_token(x)[1]).to(BF16) * w_s,
                lambda x, w_q, w_s, b: (mm(x, w_q) * w_s).to(BF16) * _per_token(x)[1],
                lambda x, w_q, w_s, b: mm(x, w_q).to(torch.int64) * _per_token(x)[1] * w_s,
-               lambda x, w_q, w_s, b: (mm(x, w_q) + b) * _per_token(x)[1] * w_s):
+               lambda x, w_q, w_s, b: (mm(x, w_q) + b) * _per_token(x)[1] * w_s,
+               lambda x, w_q, w_s, b: (mm(x, w_q) * _per_token(x)[1] + b) * w_s,
+               lambda x, w_q, w_s, b: (mm(x, w_q) * w_s + b) * _per_token(x)[1]):
         assert _chain_of(fn)[1] == "no per-token activation scale and per-channel weight scale multiplies after it"
     # A python-number bias and a second weight scale stay outside the chain.
     gm, info = _chain_of(lambda x, w_q, w_s, b: mm(x, w_q) * _per_token(x)[1] * w_s + 1.0)
@@ -1892,3 +1900,52 @@ def test_int8_fused_ops_widen_bf16_biases_to_fp32_constants(caps, make, biases):
     weights = {f"_ttftc____{kind}__int8", f"_ttftc____{kind}__scale"} if "b_gu" not in biases else {
         f"_ttftc____gated_ffn__{a}_{b}" for a in ("gate_up", "down") for b in ("int8", "scale")}
     assert attrs(gm) - {"norm_w"} == weights | set(biases.values())  # norm_quant reads the norm weight as it was
+
+
+def test_int8_norm_read_by_a_gemm_and_something_else_stays_a_norm(caps):
+    def fn(x, nw, w):
+        h, _ = tt.norm(x, nw, None, None, kind="rms", eps=1e-5)
+        return F.linear(h, w), h.sum()  # the GEMM is the norm output's first reader, the sum its second
+    gm = build(fn, [torch.zeros(6, 64)], {"nw": NORM_W, "w": W})
+    run(gm, "int8")
+    assert one(gm, tt.norm.default) and not calls(gm, tt.norm_quant.default, tt.quantize_per_token.default)
+    assert one(gm, tt.int8_linear.default).args[1] is None
+
+
+def _graph_with(*dtypes):
+    g = fx.Graph()
+    nodes = []
+    for i, dtype in enumerate(dtypes):
+        node = g.placeholder(f"p{i}")
+        node.meta["val"] = torch.zeros(2, 2, dtype=dtype)
+        nodes.append(node)
+    return g, nodes
+
+
+def test_is_offset_correction_shapes():
+    g, (mm, b, other) = _graph_with(torch.int32, INT8, torch.int32)
+
+    def correction(op=aten.sub.Tensor, first=mm, times_op=aten.mul.Tensor, factor=128, sum_op=aten.sum.dim_IntList,
+                   summed=b, dims=(0,)):
+        total = g.call_function(sum_op, (summed, list(dims)))
+        return g.call_function(op, (first, g.call_function(times_op, (total, factor))))
+    assert _quant_patterns._is_offset_correction(correction(), mm, b)
+    for kwargs in ({"op": aten.add.Tensor}, {"first": other}, {"times_op": aten.add.Tensor}, {"factor": 127},
+                   {"sum_op": aten.amax.default}, {"summed": other}, {"dims": (1,)}):
+        assert not _quant_patterns._is_offset_correction(correction(**kwargs), mm, b), kwargs
+
+
+def test_uint8_offset_source_shapes():
+    g, (x_q, y) = _graph_with(INT8, torch.int32)
+
+    def source(out=torch.uint8, offset=128, widen=torch.int32, of=x_q):
+        widened = g.call_function(aten._to_copy.default, (of,), {"dtype": widen})
+        return g.call_function(aten._to_copy.default, (g.call_function(aten.add.Tensor, (widened, offset)),),
+                               {"dtype": out})
+    assert _quant_patterns._uint8_offset_source(source()) is x_q
+    for kwargs in ({"out": INT8}, {"offset": 127}, {"widen": torch.int64}, {"of": y}):
+        assert _quant_patterns._uint8_offset_source(source(**kwargs)) is None, kwargs
+    widened = g.call_function(aten.relu.default, (x_q,))  # not a cast to int32
+    plus = g.call_function(aten._to_copy.default, (g.call_function(aten.add.Tensor, (widened, 128)),),
+                           {"dtype": torch.uint8})
+    assert _quant_patterns._uint8_offset_source(plus) is None
