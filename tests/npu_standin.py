@@ -246,6 +246,28 @@ class TorchNpuStandin(types.ModuleType):
         gate, up = input.float().chunk(2, dim=dim)
         return (torch.nn.functional.silu(gate) * up).to(input.dtype)
 
+    # ======================================================================================================
+    # npu_rotary_mul(input, r1, r2, rotary_mode="half") -> Tensor: input * r1 + rotate_half(input) * r2
+    #   Documented rules modelled here (A2/A3, jit_compile=False): input 4-D fp16/bf16/fp32, D even and < 896,
+    #   B and N < 1000; for a BNSD input, r1 and r2 are 11SD, B1SD or BNSD of input's dtype. The result has
+    #   input's shape and dtype. Only "half" mode is modelled.
+    # ======================================================================================================
+    def npu_rotary_mul(self, input, r1, r2, rotary_mode="half"):
+        op = "npu_rotary_mul"
+        self._record(op, {"input": input, "r1": r1, "r2": r2}, rotary_mode=rotary_mode)
+        self._require(rotary_mode == "half", op, f"the stand-in models rotary_mode='half', got {rotary_mode!r}")
+        self._require(input.dim() == 4 and r1.dim() == 4 and r2.dim() == 4, op, "input, r1 and r2 must be 4-D")
+        self._require(input.dtype in self._NORM_DTYPES and r1.dtype == r2.dtype == input.dtype, op,
+                      f"dtypes {input.dtype}, {r1.dtype}, {r2.dtype}")
+        b, n, s, d = input.shape
+        self._require(d % 2 == 0 and d < 896 and b < 1000 and n < 1000, op, f"shape {tuple(input.shape)}")
+        for name, table in (("r1", r1), ("r2", r2)):
+            self._require(tuple(table.shape) in {(1, 1, s, d), (b, 1, s, d), (b, n, s, d)}, op,
+                          f"{name} {tuple(table.shape)} is not 11SD, B1SD or BNSD for input {tuple(input.shape)}")
+        x1, x2 = input.float().chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (input.float() * r1.float() + rotated * r2.float()).to(input.dtype)
+
     def _check_rms(self, op, x, gamma, epsilon) -> None:
         self._require(x.dtype in self._NORM_DTYPES, op, f"dtype {x.dtype}")
         self._require(gamma.dtype == x.dtype, op, f"gamma dtype {gamma.dtype} differs from x dtype {x.dtype}")

@@ -33,7 +33,7 @@ RECORDED_SOURCE = {"model": "tiny", "attn": "sdpa", "batch_sizes": [1], "logits"
 # The tiny preset has 2 layers: norm+q|k|v, attention, o_proj, norm, gate|up|down each; then the final norm and the
 # lm_head, apart (the lm_head reads only the last row).
 FP32_KERNELS = {("norm_linear", "cpu"): 2, ("attention", "cpu"): 2, ("linear", "cpu"): 2 + 1, ("norm", "cpu"): 2 + 1,
-                ("gated_ffn", "cpu"): 2}
+                ("gated_ffn", "cpu"): 2, ("rope", "cpu"): 2 * 2}
 
 
 def _source(precision: str = "fp32") -> CompiledGraphs:
@@ -182,7 +182,7 @@ def test_a_failed_write_leaves_no_staging_and_the_previous_artifact_intact(sourc
 @pytest.mark.filterwarnings("ignore:ttftc. precision='bf16' on")  # the emulation warning (conftest sets it)
 @pytest.mark.parametrize("precision, weight_dtype, kernels", [
     ("int8", torch.int8, {("norm_quant", "cpu"): 4, ("int8_linear", "cpu"): 4, ("gated_ffn_int8", "cpu"): 2,
-                          ("attention", "cpu"): 2, ("norm", "cpu"): 1, ("linear", "cpu"): 1}),
+                          ("attention", "cpu"): 2, ("norm", "cpu"): 1, ("linear", "cpu"): 1, ("rope", "cpu"): 4}),
     ("bf16", torch.bfloat16, FP32_KERNELS),
 ])
 def test_int8_and_bf16_artifacts_round_trip(tmp_path, precision, weight_dtype, kernels):

@@ -14,7 +14,7 @@ from tests.helpers import needs_triton
 
 pytestmark = needs_triton
 
-FAMILIES = {"attention", "gemm_act", "norm", "int8_gemm", "quantize_rows"}
+FAMILIES = {"attention", "gemm_act", "norm", "int8_gemm", "quantize_rows", "rope"}
 
 
 def _assert_all_pass(rows):

@@ -107,7 +107,7 @@ def test_bucket_graphs_are_fused_and_lowered():
     # Per layer: norm+q|k|v, attention, o_proj, norm, gate|up|down. Then the final norm and the lm_head, apart:
     # the lm_head reads only each sequence's last row (logits_to_keep=1), picked between the two.
     assert lowered_ops(program.gm) == {("norm_linear", "cpu"): 2, ("attention", "cpu"): 2, ("linear", "cpu"): 2 + 1,
-                                       ("norm", "cpu"): 2 + 1, ("gated_ffn", "cpu"): 2}
+                                       ("norm", "cpu"): 2 + 1, ("gated_ffn", "cpu"): 2, ("rope", "cpu"): 2 * 2}
     (report,) = bucketed.source.reports
     assert report.providers["attention"] == {"cpu": 2} and report.providers["gated_ffn"] == {"cpu": 2}
 

@@ -58,13 +58,14 @@ def _poison(entry, mutate):
     write_json(entry, data)
 
 
-def _neg_node(program):
-    return next(n for n in program["nodes"] if n.get("target") == {"op": "aten::neg.default"})
+def _anchor_node(program):
+    """A unary aten node every cached graph keeps after the passes (the RoPE table's cos)."""
+    return next(n for n in program["nodes"] if n.get("target") == {"op": "aten::cos.default"})
 
 
 def test_an_edited_keyword_name_is_a_miss_with_one_warning(cache, outside):
     root, model, ids, expected, entry = cache
-    _poison(entry, lambda p: _neg_node(p).update(kwargs={"dict": {f"x={outside.python_payload},y": 1}}))
+    _poison(entry, lambda p: _anchor_node(p).update(kwargs={"dict": {f"x={outside.python_payload},y": 1}}))
     bucketed, logits, caught = _load_again(root, model, ids)
     assert len(caught) == 1 and "not a plain Python identifier" in str(caught[0].message)
     assert bucketed.source.cache_hits == 0 and bucketed.source.compiles == 1  # recompiled, not loaded
@@ -77,7 +78,7 @@ def test_a_poisoned_cache_does_not_carry_into_a_new_artifact(tmp_path, outside):
     build_artifact("tiny", tmp_path / "first", CONFIG, cache=CompileCache(cache_root))
     payload = f"x={outside.python_payload},y"
     for entry in (cache_root / "entries").glob("*.json"):
-        _poison(entry, lambda p: _neg_node(p).update(kwargs={"dict": {payload: 1}}))
+        _poison(entry, lambda p: _anchor_node(p).update(kwargs={"dict": {payload: 1}}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fresh = build_artifact("tiny", tmp_path / "fresh", CONFIG, cache=CompileCache(cache_root))

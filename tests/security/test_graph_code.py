@@ -15,14 +15,15 @@ from tests.security.conftest import PROMPT
 from ttftc.aot import ArtifactError
 
 GRAPH = "graphs/b16_n1_last_kv.json"
-NEG = {"op": "aten::neg.default"}
+# A unary aten op every artifact graph keeps after the passes (the RoPE table's cos): the node the attacks rewrite.
+ANCHOR = {"op": "aten::cos.default"}
 
 
 def _call(target: dict, *args) -> callable:
-    """A mutation that makes the first aten::neg node call `target` with `args`."""
+    """A mutation that makes the first aten::cos node call `target` with `args`."""
 
     def mutate(graph):
-        node = first_node(graph, NEG)
+        node = first_node(graph, ANCHOR)
         node["target"] = target
         node["args"] = {"tuple": list(args)}
 
@@ -92,10 +93,10 @@ def test_an_aten_op_that_returns_no_tensor_is_refused(artifact, outside):
 
 # -- item 3: names that FX pastes into generated Python -------------------------------------------------------
 def test_keyword_name_injection_on_an_allowed_op(artifact, outside):
-    """The review's compile-cache exploit, on an artifact: the target stays aten::neg, one kwarg name carries code."""
+    """The review's compile-cache exploit, on an artifact: the target stays aten::cos, one kwarg name carries code."""
 
     def mutate(graph):
-        node = first_node(graph, NEG)
+        node = first_node(graph, ANCHOR)
         node["kwargs"] = {"dict": {f"x={outside.python_payload},y": 1}}
 
     forge(artifact, GRAPH, mutate)
@@ -103,8 +104,8 @@ def test_keyword_name_injection_on_an_allowed_op(artifact, outside):
 
 
 def test_a_keyword_the_schema_does_not_declare_is_refused(artifact, outside):
-    forge(artifact, GRAPH, lambda g: first_node(g, NEG).update(kwargs={"dict": {"alpha": 2}}))
-    _refused(artifact, outside, "'alpha' is not an argument of aten::neg.default")
+    forge(artifact, GRAPH, lambda g: first_node(g, ANCHOR).update(kwargs={"dict": {"alpha": 2}}))
+    _refused(artifact, outside, "'alpha' is not an argument of aten::cos.default")
 
 
 def test_node_name_injection(artifact, outside):
@@ -121,7 +122,7 @@ def test_node_name_injection(artifact, outside):
 @pytest.mark.parametrize("name", ["torch", "self", "__class__", "None", "class", "a.b", "a b", ""])
 def test_names_fx_would_mishandle_are_refused(artifact, outside, name):
     def mutate(graph):
-        node = first_node(graph, NEG)
+        node = first_node(graph, ANCHOR)
         node["name"] = name
 
     forge(artifact, GRAPH, mutate)

@@ -294,3 +294,22 @@ def gated_quant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                               0 if bias is None else bias.data_ptr(), q.data_ptr(), scale.data_ptr(), m, inter,
                               ACTIVATION_CODES[act], _threads()))
     return q, scale
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x * cos + rotate_half(x) * sin (ttftc/ops/rope.py), written into `out` and returned.
+
+    x and out [B, H, S, D], any strides with a unit stride along D; cos and sin of x's dtype, each
+    [B or 1, H or 1, S, D] with a unit stride along D (broadcast dimensions are read with stride 0)."""
+    _check(rows_reason(x) is None, f"rope: {rows_reason(x)}")
+    _check(x.dim() == 4 and x.shape[-1] % 2 == 0, f"rope: x must be [B, H, S, D] with an even D, got {tuple(x.shape)}")
+    tables = [t.expand(x.shape) for t in (cos, sin)]  # raises on a shape that does not broadcast
+    _check(cos.dtype == sin.dtype == x.dtype and cos.device == sin.device == x.device, "rope: cos and sin must match x")
+    _check(out.shape == x.shape and out.dtype == x.dtype and out.device == x.device, "rope: out must match x")
+    _check(_rows_ready(x, *tables, out), "rope: x, cos, sin and out need a unit stride along the head dimension")
+    b, h, s, d = x.shape
+    if out.numel():
+        _call("rope", (x.data_ptr(), tables[0].data_ptr(), tables[1].data_ptr(), out.data_ptr(), b, h, s, d,
+                       *x.stride()[:3], *tables[0].stride()[:3], *tables[1].stride()[:3], *out.stride()[:3],
+                       int(x.dtype == torch.bfloat16), _threads()))
+    return out

@@ -44,12 +44,13 @@ OP_KERNELS = {
     "int8_linear": ("int8_gemm", "quantize_rows"),
     "gated_ffn_int8": ("int8_gemm", "quantize_rows"),
     "quantize_per_token": ("quantize_rows",),
+    "rope": ("rope",),
 }
 
 
 @dataclass(frozen=True)
 class KernelCase:
-    family: str  # attention | gemm_act | norm | int8_gemm | quantize_rows
+    family: str  # attention | gemm_act | norm | int8_gemm | quantize_rows | rope
     dtype: str
     shape: str  # the size that selects the config, e.g. "head_dim=128" or "hidden=4096"
     variant: str  # the compile-time flags, e.g. "causal" or "gated silu"
@@ -227,6 +228,25 @@ def _int8_cases(defaults_only: bool) -> Iterator[KernelCase]:
                              True, build)
 
 
+# -- rope ----------------------------------------------------------------------------------------------------------
+
+def _rope_cases(target: Target, defaults_only: bool) -> Iterator[KernelCase]:
+    from ttftc.codegen.triton import rope
+
+    if target.backend == "npu":
+        return  # on Ascend, torch_npu's npu_rotary_mul runs RoPE (codegen/npu/rope.py)
+    for dtype in FLOAT_DTYPES:
+        for head_dim in ((ATTENTION_HEAD_DIMS[0],) if defaults_only else ATTENTION_HEAD_DIMS):
+            def build(dtype=dtype, head_dim=head_dim):
+                # q sliced out of a merged q|k|v GEMM output: [B, S, H, D] in memory, read as [B, H, S, D]
+                x = meta(1, SEQ, Q_HEADS, head_dim, dtype=dtype).transpose(1, 2)
+                table = meta(1, 1, SEQ, head_dim, dtype=dtype)
+                return rope.rope_launch(x, table, table, meta(1, Q_HEADS, SEQ, head_dim, dtype=dtype))
+
+            yield KernelCase("rope", DTYPE_NAMES[dtype], f"head_dim={head_dim}", "rotate-half",
+                             rope.rope_config(head_dim), True, build)
+
+
 def kernel_cases(target: Target, *, ops: Optional[tuple[str, ...]] = None,
                  defaults_only: bool = False) -> list[KernelCase]:
     """Every launch the lowerings could make on `target` (for `ops` only, when given)."""
@@ -239,7 +259,7 @@ def kernel_cases(target: Target, *, ops: Optional[tuple[str, ...]] = None,
     else:
         attention_cases = _attention_cases(target, defaults_only)
     every = [*attention_cases, *_gemm_act_cases(defaults_only), *_norm_cases(target, defaults_only),
-             *_int8_cases(defaults_only)]
+             *_int8_cases(defaults_only), *_rope_cases(target, defaults_only)]
     return [case for case in every if case.family in families]
 
 
@@ -272,7 +292,7 @@ def _triton_refusal(op: str, target: Target, args: tuple, kwargs: dict) -> Optio
 def kernel_choice(op: str, args: tuple, kwargs: dict, target: Target) -> KernelChoice:
     """What the Triton lowering of ttftc op `op` would launch on `target` for these operands (meta values),
     untuned: the kernel, its config, and how many configs the tuner could search instead."""
-    from ttftc.codegen.triton import attention, ffn, int8_linear, norm
+    from ttftc.codegen.triton import attention, ffn, int8_linear, norm, rope
 
     refusal = _triton_refusal(op, target, args, kwargs)
     if refusal is not None:
@@ -312,6 +332,9 @@ def kernel_choice(op: str, args: tuple, kwargs: dict, target: Target) -> KernelC
         return KernelChoice("_quantize_rows_kernel",
                             {"BLOCK_K": min(int8_linear.QUANTIZE_MAX_BLOCK, 1 << (width - 1).bit_length())},
                             f"K={width}")
+    if op == "rope":
+        head_dim = int(args[0].shape[-1])
+        return KernelChoice("_rope_kernel", rope.rope_config(head_dim), f"head_dim={head_dim}")
     return KernelChoice("no Triton kernel", {}, "no Triton lowering: the vendor library (or torch) runs it")
 
 

@@ -3,6 +3,7 @@
 // region's target has AVX512-BF16 dot products. No include guard on purpose: each inclusion is another ISA.
 #include "attention_kernel.h"
 #include "rows_kernel.h"
+#include "rope_kernel.h"
 #ifdef TTFTC_BF16_DOT
 #include "attention_bf16_kernel.h"
 #endif

@@ -106,6 +106,16 @@ struct GatedActArgs {
   bool bf16;
 };
 
+struct RopeArgs {
+  const void* x;  // [B, H, S, D], strides x_st (b, h, s) in elements, unit stride along D
+  const void* cos;  // broadcast to x: a stride of 0 along a dimension it does not have
+  const void* sin;
+  void* out;  // [B, H, S, D], strides out_st, unit stride along D
+  int64_t batch, h, s, d;
+  int64_t x_st[3], cos_st[3], sin_st[3], out_st[3];
+  bool bf16;
+};
+
 struct DequantArgs {
   const int32_t* acc;
   int64_t acc_rs;
@@ -391,6 +401,18 @@ PyObject* gated_act(PyObject*, PyObject* args) {
   return run(kernels, a, x[7]);
 }
 
+// rope(ints) = (x, cos, sin, out, batch, heads, seq, head_dim, x strides b/h/s, cos strides, sin strides, out
+// strides, bf16, threads)
+PyObject* rope(PyObject*, PyObject* args) {
+  int64_t x[22];
+  if (!parse_ints(args, "rope", 22, x, nullptr)) return nullptr;
+  RopeArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<const void>(x[2]), ptr<void>(x[3]), x[4], x[5], x[6],
+             x[7], {x[8], x[9], x[10]}, {x[11], x[12], x[13]}, {x[14], x[15], x[16]}, {x[17], x[18], x[19]},
+             x[20] != 0};
+  static const Kernel<RopeArgs> kernels[kIsas] = TTFTC_BY_ISA(rope_any);
+  return run(kernels, a, x[21]);
+}
+
 // dequant(ints) = (acc, acc_row_stride, x_scale, w_scale, bias or 0, out, out_row_stride, m, n, out_bf16, threads)
 PyObject* dequant(PyObject*, PyObject* args) {
   int64_t x[11];
@@ -452,6 +474,7 @@ PyMethodDef kMethods[] = {
     {"quantize_rows", quantize_rows, METH_VARARGS, "Symmetric int8 per row (see rows_kernel.h)."},
     {"norm", norm, METH_VARARGS, "Residual add, RMSNorm/LayerNorm, then int8 per row or the rows (rows_kernel.h)."},
     {"gated_act", gated_act, METH_VARARGS, "act(gate) * up of a gate|up matrix, contiguous (see rows_kernel.h)."},
+    {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form (see rope_kernel.h)."},
     {"dequant", dequant, METH_VARARGS, "int32 accumulator to float with per-row and per-column scales."},
     {"gated_quant", gated_quant, METH_VARARGS, "Dequant, act(gate) * up, int8 per row (see rows_kernel.h)."},
     {"isa", isa, METH_NOARGS, "The instruction set the kernels run with on this CPU."},
