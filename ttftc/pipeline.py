@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from ttftc.codegen import lowering
+from ttftc.codegen.cpu._allocator import keep_freed_pages
 from ttftc.config import Config
 from ttftc.passes.graph_utils import op_histogram
 from ttftc.passes.manager import PassManager
@@ -32,8 +33,18 @@ def run_pipeline(gm: fx.GraphModule, config: Config, *, autotune_cache=None, as_
     flops = graph_flops(gm)
     decisions = lowering.lower_graph(gm, provider=config.provider, autotune=config.autotune,
                                      autotune_cache=autotune_cache, as_ops=as_ops)
+    if _runs_on_cpu(gm):
+        notes.append(keep_freed_pages())
     return make_report(stats, ops_before, ops_after, decisions, flops, {p.name: p.uuid() for p in manager.passes},
                        notes)
+
+
+def _runs_on_cpu(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device.type == "cpu"
+    return False
 
 
 def _has_symbolic_inputs(gm: fx.GraphModule) -> bool:

@@ -33,6 +33,7 @@ from ttftc.cache.checksums import CHUNK_BYTES, chunk_digests, first_bad_chunk, s
 from ttftc.cache.confined import UnsafePathError, confined_path, read_regular, regular_file
 from ttftc.cache.graph_format import ProgramSpec, encode_program, parse_program
 from ttftc.cache.keys import device_description, runtime_source_hash, versions
+from ttftc.codegen.cpu._allocator import keep_freed_pages
 from ttftc.cache.schema import SchemaError
 from ttftc.config import Config
 
@@ -328,4 +329,6 @@ def load_artifact(directory: Path | str, *, device: Optional[str] = None, verify
     except OSError as exc:  # unreadable (permissions, I/O): the same remedy as a damaged file
         raise ArtifactError(f"{directory} cannot be read ({exc}): {_remedy(directory, raw)}") from None
     graphs = ArtifactGraphs(directory, manifest, raw, specs, target)
+    if target.type == "cpu":
+        keep_freed_pages()  # what a compile on the CPU does too (ttftc/pipeline.py)
     return BucketedModel(graphs, device=target, on_oversize=manifest.on_oversize)

@@ -52,6 +52,7 @@ def markdown(doc: dict) -> str:
         "",
         f"- device: {doc['device']} ({doc['device_name']}, {doc['threads']} threads)",
         f"- capabilities: {doc.get('capabilities') or 'not recorded'}",
+        f"- {doc.get('malloc') or 'malloc: not recorded'}",
         f"- model: {model['parameters'] / 1e6:.1f} M parameters; prefill: {settings['prefill']}",
         f"- workload: {settings['workload']}; {settings['repeats']} measured repeats after {settings['warmup']} "
         f"warm-up runs, variants interleaved; first call: {settings['first_call']}",
@@ -171,6 +172,8 @@ def write_plot(doc: dict, path: str) -> None:
 def summary_lines(doc: dict) -> list[str]:
     """A compact table for the terminal."""
     out = [f"{doc['device_name']}: {doc['capabilities']}"] if doc.get("capabilities") else []
+    if doc.get("malloc"):
+        out.append(doc["malloc"])
     out.append(f"{'variant':<44}{'seq':>6}{'p50 ms':>10}{'p95 ms':>10}{'first s':>9}{'unseen s':>10}{'bound ms':>10}"
                f"{'eff':>7}  status")
     for r in doc["results"]:

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ttftc.capabilities import probe
+from ttftc.codegen.cpu._allocator import keep_freed_pages
 
 from ttftc.bench.ablation import AblationStep, ablation_steps
 from ttftc.bench.caches import fresh_cache_dirs
@@ -165,6 +166,9 @@ def run_bench(settings: BenchSettings) -> dict:
         torch._dynamo.reset()
         with fresh_cache_dirs(), autotune_cache_for_variants(autotune_dir):
             progress.note(f"ttftc bench: {p.spec.name} on {s.device}, {torch.get_num_threads()} threads")
+            if s.device == "cpu":
+                # Set before anything runs, so every variant (peers too) and the peak see one allocator.
+                progress.note(f"ttftc bench: {keep_freed_pages()}, for every variant")
             if any("tuned=on" in v.name for v in p.variants):
                 progress.note(f"tuned=on variants read the autotune cache {autotune_dir}")
             meter = PeakMeter(device=s.device, size=s.peak_size)
@@ -378,6 +382,7 @@ def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, de
         "device": s.device,
         "device_name": _device_name(s.device),
         "capabilities": probe(torch.device(s.device).type).describe(),
+        "malloc": keep_freed_pages() if s.device == "cpu" else None,
         "threads": torch.get_num_threads(),
         "versions": _versions(),
         "model": model_info,
