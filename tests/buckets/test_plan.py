@@ -165,6 +165,7 @@ def _plan(mix):
         (lambda x: x[:, 0:] + x[:, -4096:], None),  # slices that keep every position up to the largest bucket
         (lambda x: x[:, :, 0:8].repeat(1, 1, 2), None),  # a hidden-axis slice
         (lambda x: x.index_select(2, torch.arange(15, -1, -1)), None),  # picks along the hidden axis
+        (lambda x: sum(x.unbind())[None], None),  # unbind along its default dim 0, the batch axis
         (lambda x: F.scaled_dot_product_attention(_heads(x), torch.ones(x.shape[0], 2, 3, 8),
                                                   torch.ones(x.shape[0], 2, 3, 8)).transpose(1, 2).reshape(
             x.shape[0], x.shape[1], 16), None),  # attends to a fixed-length memory
@@ -185,7 +186,7 @@ def _plan(mix):
     ids=["causal-sdpa", "causal-mask", "hidden-norm", "prefix-sum", "sdpa-bool-mask", "sdpa-additive-mask",
          "eager-where", "eager-where-hidden-first", "eager-additive", "eager-scaled-after-mask", "eager-dropout-views",
          "hidden-reductions", "hidden-softmax", "hidden-split-cat", "empty-cat", "full-slices", "hidden-slice",
-         "hidden-index-select", "fixed-memory", "ttftc-attention", "additive-mask-at-threshold",
+         "hidden-index-select", "batch-unbind", "fixed-memory", "ttftc-attention", "additive-mask-at-threshold",
          "eager-fill-at-threshold", "eager-where-tensor-at-threshold", "eager-fill-grows-with-length",
          "eager-mask-then-bias", "eager-mask-first"],
 )
