@@ -50,14 +50,16 @@ def _other(mul: fx.Node, operand: fx.Node) -> Optional[fx.Node]:
 
 
 def _slice_bounds(node: fx.Node, x: fx.Node) -> Optional[tuple[int, int, int]]:
-    """(dim, start, end) of aten.slice.Tensor(x, dim, start, end[, 1]) with static ints, else None."""
-    if not gu.is_call(node, aten.slice.Tensor) or node.args[0] is not x or node.kwargs:
+    """(dim, start, end) of aten.slice.Tensor(x, dim, start, end, step=1) with static ints, else None."""
+    if not gu.is_call(node, aten.slice.Tensor) or node.args[0] is not x:
         return None
-    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
-    bounds = [gu.static_int(v) for v in (dim, start, end, step)]
-    if any(b is None for b in bounds) or bounds[3] != 1:
+    bound = gu.bound_arguments(node)
+    if bound is None:
         return None
-    return bounds[0], bounds[1], bounds[2]
+    dim, start, end, step = (gu.static_int(bound[name]) for name in ("dim", "start", "end", "step"))
+    if None in (dim, start, end) or step != 1:
+        return None
+    return dim, start, end
 
 
 def _last_dim(dim: int, rank: int) -> bool:
