@@ -410,8 +410,8 @@ def test_bf16_linear_of_a_3d_weight_matmul_is_refused(caps):
     p.mode, p.float_policy = "bf16", {"gemm": "bf16", "attention": "bf16"}
     (c,) = p.find(gm)
     assert p._bf16_refusal(gm, c) == "weights are not frozen constants"
-    c.info["weight"] = W  # as if the weights were known: still not a linear
-    assert p._bf16_refusal(gm, c) == "not a linear with frozen weights"
+    c.info.update(weight=W, x=c.node.args[1])  # a stale match in c.info does not count: the node is matched again
+    assert p._bf16_refusal(gm, c) == "weights are not frozen constants"
 
 
 def test_auto_leaves_the_graph_alone_where_bf16_is_not_native(caps):
@@ -516,6 +516,20 @@ def test_fused_ops_with_live_weights_or_biases_are_refused(caps):
         assert run(gm, "bf16").rejections == ["? (gated_ffn): bf16 refused: weights are not frozen constants"]
 
 
+def test_int8_refusal_of_live_weights_does_not_fall_back_to_bf16(caps):
+    # The int8 check binds the op's arguments before it finds a live one; bf16 must not take that as frozen.
+    gm = build(lambda x, nb, nw, w: tt.norm_linear(x, nw, nb, w, kind="layer", eps=1e-5)[0],
+               [torch.zeros(6, 64), NORM_B], {"nw": NORM_W, "w": W})
+    assert run(gm, "int8").rejections == [
+        "? (norm_linear): int8 refused: weights are not frozen constants; kept in its own dtype",
+        "? (norm_linear): bf16 refused: weights are not frozen constants"]
+    gm = build(lambda x, w_gu, w_down: tt.gated_ffn(x, w_gu, w_down, act="silu"), [torch.zeros(6, 64), W_GU],
+               {"w_down": W_DOWN})
+    assert run(gm, "int8").rejections == [
+        "? (gated_ffn): int8 refused: weights are not frozen constants; kept in its own dtype",
+        "? (gated_ffn): bf16 refused: weights are not frozen constants"]
+
+
 def test_fused_op_arguments_that_do_not_bind_are_refused(caps, monkeypatch):
     gm = linear_act_gm()
     monkeypatch.setattr(gu, "bound_arguments", lambda node: None)
@@ -576,19 +590,22 @@ def test_attention_kept_fp32_where_its_bf16_kernel_is_slower(caps):
     assert dtypes(one(gm, aten.mm.default), 0) == (BF16,)
 
 
-def sdpa_gm(mask=None, dtype=FP32, read_lse=False):
+def sdpa_gm(mask=None, dtype=FP32, read_lse=False, causal=False):
     def fn(q, k, v, *m):
-        out = SDPA(q, k, v, 0.0, False, attn_mask=m[0] if m else None, scale=0.25)
+        out = SDPA(q, k, v, 0.0, causal, attn_mask=m[0] if m else None, scale=0.25)
         return (out[0] * 1, out[1]) if read_lse else out[0] * 1
     inputs = [torch.zeros(1, 2, 8, 16, dtype=dtype)] * 3 + ([] if mask is None else [mask])
     return build(fn, inputs)
 
 
 @pytest.mark.parametrize("mask", [None, torch.zeros(1, 1, 8, 8), torch.ones(1, 1, 8, 8, dtype=torch.bool)])
-def test_bf16_sdpa(caps, mask):
-    gm, ref = sdpa_gm(mask), sdpa_gm(mask)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_sdpa(caps, mask, causal):
+    gm, ref = sdpa_gm(mask, causal=causal), sdpa_gm(mask, causal=causal)
     original = one(gm, SDPA)
     args, kwargs = original.args[3:], {k: v for k, v in original.kwargs.items() if k != "attn_mask"}
+    # A non-default is_causal keeps dropout_p positional too: the rewrite must carry both in their slots.
+    assert args == ((0.0, True) if causal else ())
     stats = run(gm, "bf16")
     assert (stats.matched, stats.rejections) == (1, [])
     node = one(gm, SDPA)
@@ -607,7 +624,7 @@ def test_bf16_sdpa(caps, mask):
     out = gm(*args)
     assert out.dtype == FP32
     bf = [a.to(BF16) if a.dtype == FP32 else a for a in args]
-    exact = SDPA(*bf[:3], 0.0, False, attn_mask=bf[3] if mask is not None else None, scale=0.25)[0].float()
+    exact = SDPA(*bf[:3], 0.0, causal, attn_mask=bf[3] if mask is not None else None, scale=0.25)[0].float()
     torch.testing.assert_close(out, exact, atol=0, rtol=0)
     torch.testing.assert_close(out, ref(*args), atol=0.02, rtol=0.02)
 
@@ -1001,6 +1018,10 @@ def test_fuse_quant_producers_edge_cases():
     assert not _w8a8_rewrite._all_users_are(getitem0, {lin})
     gm.graph.erase_node(unused_view)
     assert _w8a8_rewrite._all_users_are(getitem0, {lin})
+    with gm.graph.inserting_before(out):
+        float_reader = gu.call(gm, aten.relu.default, (getitem0,))  # after the consumer in getitem0's users
+    assert not _w8a8_rewrite._all_users_are(getitem0, {lin})
+    gm.graph.erase_node(float_reader)
     assert _w8a8_rewrite._int8_consumers_without_scale(gm) == {getitem0: [(lin, [view])]}
     _w8a8_rewrite.fuse_quant_producers(gm)
     nq = one(gm, tt.norm_quant.default)
@@ -1094,6 +1115,17 @@ def test_elide_round_trips_into_quantize_per_token_and_gated_ffn_int8():
     gm.graph.eliminate_dead_code()
     node = one(gm, tt.gated_ffn_int8.default)
     assert gu.dtype_of(node.args[0]) == BF16 and not calls(gm, aten._to_copy.default)
+
+
+def test_elide_round_trips_leaves_an_int8_gemm_reading_the_widened_tensor_elsewhere():
+    # Only the activation slot of an int8 GEMM that quantises for itself reads bf16 as well as fp32; a bias does not.
+    def fn(x, b, w, ws):
+        return tt.int8_linear(x, None, w, ws, b.to(FP32), out_dtype=FP32)
+    gm = build(fn, [torch.zeros(4, 8), torch.zeros(16, dtype=BF16)], {"w": torch.ones(16, 8, dtype=INT8),
+                                                                       "ws": torch.ones(16)})
+    before = str(gm.graph)
+    _bf16_rewrite.elide_round_trips(gm)
+    assert str(gm.graph) == before
 
 
 def test_elide_round_trips_keeps_other_casts():
@@ -1207,6 +1239,7 @@ def test_rewire_tuple():
     ("L['self']", ""),
     ("model.layers[12]", "model.layers.12"),
     ("L['fn'].encoder['block'][1]", "encoder.block.1"),
+    ("L['self'].model.X", "model.X"),  # only dots are stripped
 ])
 def test_clean_path(raw, clean):
     assert _module_names._clean_path(raw) == clean
@@ -1321,6 +1354,7 @@ def test_activation_input():
     assert _module_names._activation_input(_node(g, aten.relu.default, x)) is None
     method = g.call_method("relu", (x,))
     assert _module_names._activation_input(method) is None
+    assert _module_names._activation_input(_node(g, operator.getitem, x, 0)) is None  # a target with no namespace
 
 
 # -- quant-dequant patterns already in a graph ---------------------------------------------------------------
@@ -1378,6 +1412,28 @@ def test_pt2e_linear_fuses_into_int8_linear(caps, precision, bias, x_shape):
     scale = lin.args[1]  # one python-float scale for the tensor, spread over the tokens
     assert tuple(gu.val(scale).shape) == (6,) and gu.dtype_of(scale) == FP32
     xin = _rand(*x_shape, seed=80)
+    torch.testing.assert_close(gm(xin), ref(xin), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_pt2e_activation_with_frozen_scale_and_zero_point_tensors(caps, zero):
+    # The .tensor overloads take the activation's qparams as tensors: zero points are judged by their frozen value.
+    def fn(x, s, zp, w_q, w_s, w_zp):
+        x_dq = QD.dequantize_per_tensor.tensor(QD.quantize_per_tensor.tensor(x, s, zp, -128, 127, INT8), s, zp,
+                                               -128, 127, INT8)
+        return F.linear(x_dq, QD.dequantize_per_channel(w_q, w_s, w_zp, 0, -128, 127, INT8))
+    consts = {"s": torch.tensor(0.02), "zp": torch.tensor(zero), "w_q": W_Q, "w_s": W_S, "w_zp": W_ZP}
+    gm, ref = build(fn, [torch.zeros(6, 64)], consts), build(fn, [torch.zeros(6, 64)], consts)
+    stats = run(gm, "int8")
+    if zero:
+        assert stats.rejections == ["? (linear): quant-dequant pattern: asymmetric (non-zero zero point) "
+                                    "quantisation: int8_linear is symmetric"]
+        assert not calls(gm, tt.int8_linear.default)
+        return
+    assert (stats.matched, stats.rejections) == (1, [])
+    lin = one(gm, tt.int8_linear.default)
+    assert gu.through_views(lin.args[0]).target is QD.quantize_per_tensor.tensor
+    xin = _rand(6, 64, seed=82)
     torch.testing.assert_close(gm(xin), ref(xin), atol=1e-5, rtol=1e-5)
 
 

@@ -29,7 +29,7 @@ def _decomposed_ops():
         import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed ops)
     except Exception:
         return None
-    return getattr(torch.ops, "quantized_decomposed", None)
+    return torch.ops.quantized_decomposed
 
 
 def _is_zero(gm: fx.GraphModule, value: Any) -> bool:
@@ -83,7 +83,7 @@ def match_pt2e_linear(gm: fx.GraphModule, node: fx.Node) -> Optional[dict]:
     if not (_is_zero(gm, zero_points) and _is_zero(gm, x_dq.args[2]) and _is_zero(gm, x_q.args[2])):
         found["refusal"] = "asymmetric (non-zero zero point) quantisation: int8_linear is symmetric"
         return found
-    if x_q.args[5] != torch.int8 or x_dq.args[1] is not x_q.args[1] and x_dq.args[1] != x_q.args[1]:
+    if x_q.args[5] != torch.int8 or x_dq.args[1] != x_q.args[1]:  # one scale node, or equal numbers
         found["refusal"] = "activation is not int8 with one scale for quantize and dequantize"
         return found
     if bias is not None and gu.constant_value(gm, bias) is None:
@@ -148,7 +148,7 @@ def match_int_mm_chain(gm: fx.GraphModule, node: fx.Node):
     Also torchao's CPU form, where x_q enters as uint8 x_q + 128 and a column-sum correction follows. Returns
     the pieces or a reason string.
     """
-    a, b = node.args[:2]
+    a, b = node.args
     w_q = _int8_weight_operand(gm, b)
     if w_q is None:
         return "weight operand is not an int8 [N, K] matrix under t()"
@@ -163,18 +163,17 @@ def match_int_mm_chain(gm: fx.GraphModule, node: fx.Node):
     elif gu.dtype_of(a) != torch.int8:
         return f"activation operand is {gu.dtype_of(a)}, not int8"
     x_scale = w_scale = bias = None
-    out_dtype = torch.float32
     for _ in range(5):
         user = gu.only_user(current)
         if user is None:
             break
         if is_cast_to(user, gu.dtype_of(user)) and gu.dtype_of(user) in FLOATS and x_scale is None and w_scale is None:
-            current, out_dtype = user, gu.dtype_of(user)
+            current = user
             continue
         if x_scale is not None and w_scale is not None and gu.is_call(user, aten.add.Tensor) and bias is None:
             other = user.args[1] if user.args[0] is current else user.args[0]
             if isinstance(other, fx.Node) and _same_shape(gu.val(other).shape, (n,)):
-                bias, current, out_dtype = other, user, gu.dtype_of(user)
+                bias, current = other, user
                 continue
             break
         factor = _mul_factor(user, current)
@@ -187,13 +186,13 @@ def match_int_mm_chain(gm: fx.GraphModule, node: fx.Node):
             w_scale = factor
         else:
             break
-        current, out_dtype = user, gu.dtype_of(user)
+        current = user
     if x_scale is None or w_scale is None:
         return "no per-token activation scale and per-channel weight scale multiplies after it"
     if gu.dtype_of(current) not in FLOATS:
         return f"the chain ends in {gu.dtype_of(current)}, not a float"
     return {"x_root": x_root, "x_chain": [], "x_scale": x_scale, "w_q": w_q, "w_scale": w_scale, "bias": bias,
-            "end": current, "out_dtype": out_dtype}
+            "end": current, "out_dtype": gu.dtype_of(current)}
 
 
 def replace_existing_quant(gm: fx.GraphModule, node: fx.Node, info: dict) -> fx.Node:

@@ -39,9 +39,7 @@ def _int8_weight(gm: fx.GraphModule, weight: torch.Tensor, hint: str) -> tuple[f
 
 def linear(casts: Casts, gm: fx.GraphModule, c) -> Optional[fx.Node]:
     wq, ws = _int8_weight(gm, c.info["weight"], c.name)
-    bias = c.info["bias_node"]
-    if bias is not None and gu.dtype_of(bias) != torch.float32:
-        bias = casts.const_like(gm, bias, torch.float32, f"{c.name}_bias")
+    bias = casts.const_like(gm, c.info["bias_node"], torch.float32, f"{c.name}_bias")
     return gu.call(gm, ttftc_ops.int8_linear.default, (c.info["x"], None, wq, ws, bias),
                    {"out_dtype": gu.dtype_of(c.node)})
 
