@@ -12,6 +12,7 @@ from tests.helpers import needs_transformers
 from ttftc import zoo
 from ttftc.buckets.capture import PrefillAdapter, analyse_padding, example_inputs
 from ttftc.buckets.plan import BucketPlan, PaddingAnalysis, plan_from_graph, refused
+import ttftc.buckets.plan as plan_module
 from ttftc.buckets.program import GraphSignature
 from ttftc.buckets.table import DEFAULT_BUCKETS, bucket_for, effective_buckets
 
@@ -166,6 +167,8 @@ def _plan(mix):
         (lambda x: x[:, :, 0:8].repeat(1, 1, 2), None),  # a hidden-axis slice
         (lambda x: x.index_select(2, torch.arange(15, -1, -1)), None),  # picks along the hidden axis
         (lambda x: sum(x.unbind())[None], None),  # unbind along its default dim 0, the batch axis
+        (lambda x: torch.sort(x)[0], None),  # sort along its default dim -1, the hidden axis
+        (lambda x: x.topk(2)[0].sum(-1, keepdim=True) + x, None),  # topk along its default dim -1
         (lambda x: F.scaled_dot_product_attention(_heads(x), torch.ones(x.shape[0], 2, 3, 8),
                                                   torch.ones(x.shape[0], 2, 3, 8)).transpose(1, 2).reshape(
             x.shape[0], x.shape[1], 16), None),  # attends to a fixed-length memory
@@ -186,7 +189,7 @@ def _plan(mix):
     ids=["causal-sdpa", "causal-mask", "hidden-norm", "prefix-sum", "sdpa-bool-mask", "sdpa-additive-mask",
          "eager-where", "eager-where-hidden-first", "eager-additive", "eager-scaled-after-mask", "eager-dropout-views",
          "hidden-reductions", "hidden-softmax", "hidden-split-cat", "empty-cat", "full-slices", "hidden-slice",
-         "hidden-index-select", "batch-unbind", "fixed-memory", "ttftc-attention", "additive-mask-at-threshold",
+         "hidden-index-select", "batch-unbind", "hidden-sort", "hidden-topk", "fixed-memory", "ttftc-attention", "additive-mask-at-threshold",
          "eager-fill-at-threshold", "eager-where-tensor-at-threshold", "eager-fill-grows-with-length",
          "eager-mask-then-bias", "eager-mask-first"],
 )
@@ -234,6 +237,10 @@ def test_padding_proven_safe(mix, evidence):
         (lambda x: x[:, 1:], "slices the sequence axis"),
         (lambda x: x[:, ::2].repeat(1, 2, 1), "slices the sequence axis"),
         (lambda x: x * x.select(1, 0)[:, None], "picks positions along the sequence axis"),
+        (lambda x: x.split(x.shape[1] - 1, dim=1)[0], "split: aten.split picks positions along the sequence axis"),
+        (lambda x: torch.cat(x.split([1, x.shape[1] - 1], dim=1)[::-1], dim=1),
+         "aten.split_with_sizes picks positions along the sequence axis"),
+        (lambda x: torch.sort(x, dim=1)[0], "sort: aten.sort reduces across the sequence axis"),
         (lambda x: _ttftc_attention(x, causal=False), "ttftc.attention with causal=False attends to later positions"),
         (_sdpa_with(lambda n: torch.arange(n)[None, :] <= torch.arange(n)[:, None] + 1),
          "lets a query see later keys (checked at length 5)"),  # each query sees the next key
@@ -259,7 +266,8 @@ def test_padding_proven_safe(mix, evidence):
          "data-dependent-sdpa-mask", "data-dependent-softmax-mask", "index", "gather", "index-select", "cat",
          "embedding-by-position", "sdpa-upper-mask", "sdpa-1d-mask", "causal-and-mask", "unmasked-softmax",
          "mask-fill-not-hidden", "scores-scaled-by-data", "sequence-matmul", "full-sum", "sequence-sum",
-         "sequence-amax", "shifted-slice", "strided-slice", "first-position", "ttftc-bidirectional",
+         "sequence-amax", "shifted-slice", "strided-slice", "first-position", "sequence-split",
+         "sequence-split-with-sizes", "sequence-sort", "ttftc-bidirectional",
          "mask-sees-next-key", "mask-not-evaluable", "key-only-mask", "where-fill-not-hidden", "where-fill-not-one-value",
          "where-fill-from-data", "where-fill-zero-at-first-probe", "where-fill-not-evaluable", "scores-plus-constant",
          "scores-plus-zeros", "positions-only-scores"],
@@ -434,3 +442,11 @@ def test_a_mask_is_evaluated_at_the_probe_length_with_every_other_size_as_traced
         analysis.evaluate(read_tokens, 5)
     with pytest.raises(ValueError, match="^cannot evaluate call_module node inner$"):
         analysis.evaluate(by_module, 5)
+
+
+def test_a_node_whose_arguments_do_not_bind_refuses_the_plan(monkeypatch):
+    # The analysis reads ops' arguments by schema name; one it cannot read is a problem, not a pass.
+    monkeypatch.setattr(plan_module, "bound_arguments", lambda node: None)
+    plan = _plan(lambda x: x[:, 0:] * 2)
+    assert not plan.safe
+    assert plan.reason.endswith(": its arguments do not bind to the schema of aten.slice")

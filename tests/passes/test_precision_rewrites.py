@@ -212,6 +212,11 @@ def test_int8_unavailable_reason(monkeypatch):
 # -- options, policy -----------------------------------------------------------------------------------------
 
 
+def test_the_policy_probes_the_device_of_the_graph(caps):
+    run(linear_gm(), "auto")
+    assert caps.asked == ["cpu"]
+
+
 def test_options(caps):
     options = pp.PrecisionPass(ttftc.Config(precision="bf16", quant_skip=("a", "b"))).options()
     assert options == {"precision": "bf16", "quant_skip": ["a", "b"], "int8_align": 8, "int8_min_k": 16}
@@ -1000,6 +1005,54 @@ def test_int8_norm_with_another_reader_stays_a_norm(caps):
     assert one(gm, tt.int8_linear.default).args[1] is None
 
 
+def test_int8_norm_without_a_residual_reader_quantises(caps):
+    # The norm's second output (the residual stream) read by nobody: nothing to re-point.
+    def fn(x, nw, w):
+        return F.linear(tt.norm(x, nw, None, None, kind="rms", eps=1e-5)[0], w)
+    gm = build(fn, [torch.zeros(6, 64)], {"nw": NORM_W, "w": W})
+    run(gm, "int8")
+    nq = one(gm, tt.norm_quant.default)
+    lin = one(gm, tt.int8_linear.default)
+    assert lin.args[0].args == (nq, 0) and lin.args[1].args == (nq, 1) and not calls(gm, tt.norm.default)
+    x = _rand(6, 64, seed=72)
+    from ttftc.ops.norm_linear import normalize
+    expected = _int8_reference(normalize(x, NORM_W, None, kind="rms", eps=1e-5), W)
+    torch.testing.assert_close(gm(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_lone_consumer_before_a_norm_does_not_stop_the_norm_fusion(caps):
+    # Producers are visited in graph order: a first one that is left alone must not end the walk.
+    def fn(x, nw, w1, w2):
+        first = F.linear(x * 2, w1)
+        return first, F.linear(tt.norm(x, nw, None, None, kind="rms", eps=1e-5)[0], w2)
+    gm = build(fn, [torch.zeros(6, 64)], {"nw": NORM_W, "w1": W, "w2": W})
+    run(gm, "int8")
+    nq = one(gm, tt.norm_quant.default)
+    lone, fused = sorted(calls(gm, tt.int8_linear.default), key=lambda n: n.args[1] is not None)
+    assert lone.args[1] is None and fused.args[1].args == (nq, 1)
+
+
+def test_fuse_quant_producers_replays_views_with_keyword_arguments():
+    # Row views written with keyword arguments (hand-built or normalised graphs) are replayed with them.
+    def fn(x, r, nw):
+        return tt.norm(x, nw, None, r, kind="rms", eps=1e-5)
+    gm = build(fn, [torch.zeros(6, 64), torch.zeros(6, 64)], {"nw": NORM_W})
+    norm = one(gm, tt.norm.default)
+    getitem0 = next(u for u in norm.users if u.args[1] == 0)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        wq, ws = _w8a8_rewrite._int8_weight(gm, W, "w")
+        view = gu.call(gm, aten.view.default, (getitem0,), {"size": [2, 3, 64]})
+        lin = gu.call(gm, tt.int8_linear.default, (view, None, wq, ws, None), {"out_dtype": FP32})
+    out.args = ((lin, out.args[0][1]),)
+    _w8a8_rewrite.fuse_quant_producers(gm)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    replayed = lin.args[0]
+    assert replayed.target is aten.view.default and replayed.kwargs == {"size": [2, 3, 64]}
+    assert replayed.args[0].args == (one(gm, tt.norm_quant.default), 0)
+
+
 def test_fuse_quant_producers_edge_cases():
     def fn(x, r, nw, w1, w2):
         h, res = tt.norm(x, nw, None, r, kind="rms", eps=1e-5)
@@ -1086,7 +1139,9 @@ def _round_trip_gm(consumer, via=lambda t: t.view(4, 2, 8)):
 
 def test_elide_round_trips_into_int8_consumers():
     gm = _round_trip_gm(lambda t, w, ws: tt.int8_linear(t, None, w, ws, out_dtype=FP32))
+    rest = one(gm, tt.int8_linear.default).args[1:]
     _bf16_rewrite.elide_round_trips(gm)
+    assert one(gm, tt.int8_linear.default).args[1:] == rest  # only the activation slot is re-pointed
     gm.graph.eliminate_dead_code()
     lin = one(gm, tt.int8_linear.default)
     assert gu.dtype_of(lin.args[0]) == BF16 and lin.args[0].target is aten.view.default
@@ -1824,6 +1879,18 @@ def test_int8_gemms_reading_a_norms_residual_output_share_a_quantize_per_token(c
     assert one(gm, tt.norm.default) and not calls(gm, tt.norm_quant.default)
     quant = one(gm, tt.quantize_per_token.default)
     assert quant.args[0].target is operator.getitem and quant.args[0].args[1] == 1
+
+
+def test_pt2e_activation_view_with_keyword_arguments_is_replayed_with_them(caps):
+    gm, ref = pt2e_gm(x_shape=(2, 3, 64)), pt2e_gm(x_shape=(2, 3, 64))
+    flatten = next(n for n in calls(gm, aten.view.default) if gu.is_call(n.args[0], QD.dequantize_per_tensor.default))
+    flatten.args, flatten.kwargs = flatten.args[:1], {"size": list(flatten.args[1])}
+    gm.recompile()
+    assert run(gm, "int8").matched == 1
+    x = one(gm, tt.int8_linear.default).args[0]
+    assert x.target is aten.view.default and x.kwargs == {"size": [6, 64]}
+    xin = _rand(2, 3, 64, seed=96)
+    torch.testing.assert_close(gm(xin), ref(xin), atol=1e-5, rtol=1e-5)
 
 
 def test_pt2e_activation_through_two_row_views(caps):

@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
 from ttftc.ops.registry import op_name_of
-from ttftc.passes.graph_utils import op_label
+from ttftc.passes.graph_utils import bound_arguments, op_label
 
 aten = torch.ops.aten
 
@@ -63,12 +63,13 @@ _CONSTRUCTORS = {
 _PREFIX_SCANS = {aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
 
 # (dims argument index, keepdim/other args ignored); None as dims means "all dims".
-_REDUCTIONS: dict[Any, int] = {
-    aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten.amax.default: 1, aten.amin.default: 1,
-    aten.var.correction: 1, aten.std.correction: 1, aten.var_mean.correction: 1, aten.std_mean.correction: 1,
-    aten.prod.dim_int: 1, aten.max.dim: 1, aten.min.dim: 1, aten.argmax.default: 1, aten.argmin.default: 1,
-    aten.logsumexp.default: 1, aten.any.dim: 1, aten.any.dims: 1, aten.all.dim: 1, aten.linalg_vector_norm.default: 2,
-    aten.sort.default: 1, aten.topk.default: 2, aten.kthvalue.default: 2, aten.median.dim: 1, aten.mode.default: 1,
+# Reductions over their `dim` argument (an int, a list, or None for every dim).
+_REDUCTIONS = {
+    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+    aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction,
+    aten.prod.dim_int, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
+    aten.logsumexp.default, aten.any.dim, aten.any.dims, aten.all.dim, aten.linalg_vector_norm.default,
+    aten.sort.default, aten.topk.default, aten.kthvalue.default, aten.median.dim, aten.mode.default,
 }
 _FULL_REDUCTIONS = {
     aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.prod.default, aten.any.default,
@@ -140,6 +141,18 @@ class _Findings:
 
     def prove(self, what: str) -> None:
         self.evidence[what] = self.evidence.get(what, 0) + 1
+
+
+class _Unanalysable(Exception):
+    """A node the analysis cannot read; it refuses the plan, as any problem does."""
+
+
+def _arguments(node: fx.Node) -> dict:
+    """The node's arguments by schema name, defaults filled in."""
+    args = bound_arguments(node)
+    if args is None:
+        raise _Unanalysable(f"{node.name}: its arguments do not bind to the schema of {op_label(node.target)}")
+    return args
 
 
 def _flat_nodes(arg: Any) -> list[fx.Node]:
@@ -409,8 +422,7 @@ class PaddingAnalysis:
         if node.target in _FULL_REDUCTIONS:
             dims = list(range(rank))
         else:
-            index = _REDUCTIONS[node.target]
-            dims = node.args[index] if len(node.args) > index else node.kwargs.get("dim")
+            dims = _arguments(node)["dim"]
             if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
                 dims = list(range(rank))
             elif isinstance(dims, int):
@@ -429,13 +441,11 @@ class PaddingAnalysis:
         return None
 
     def _check_slice(self, node: fx.Node) -> Optional[str]:
-        x, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
-        size = self._dim_size(x, dim)
+        args = _arguments(node)
+        size = self._dim_size(args["input"], args["dim"])
         if not self._is_seq_size(size):
             return None
-        start = node.args[2] if len(node.args) > 2 else 0
-        end = node.args[3] if len(node.args) > 3 else None
-        step = node.args[4] if len(node.args) > 4 else 1
+        start, end, step = args["start"], args["end"], args["step"]
         # A slice is a no-op, whatever the padded length up to the largest bucket, when it starts at 0 (or
         # counts back at least that far, like a sliding-window cache keeping its last W-1 keys) and ends at
         # the end.
@@ -452,20 +462,18 @@ class PaddingAnalysis:
 
     def _check_indexing(self, node: fx.Node) -> Optional[str]:
         """Gathers, selects and splits are position-wise unless the axis they index is the sequence axis."""
-        target, x = node.target, node.args[0]
-        if target in (aten.gather.default, aten.index_select.default, aten.select.int, aten.unbind.int):
-            dims = [node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)]
-        elif target in (aten.split.Tensor, aten.split_with_sizes.default):
-            dims = [node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)]
-        else:  # aten.index.Tensor: one optional index tensor per leading dim
-            dims = [d for d, index in enumerate(node.args[1]) if index is not None]
-        if self._indexes_seq(x, dims):
-            return f"{node.name}: {op_label(target)} picks positions along the sequence axis"
+        args = _arguments(node)
+        if node.target is aten.index.Tensor:  # one optional index tensor per leading dim
+            dims = [d for d, index in enumerate(args["indices"]) if index is not None]
+        else:  # gather, index_select, select, unbind, split, split_with_sizes
+            dims = [args["dim"]]
+        if self._indexes_seq(args["input"], dims):
+            return f"{node.name}: {op_label(node.target)} picks positions along the sequence axis"
         return None
 
     def _check_cat(self, node: fx.Node) -> Optional[str]:
-        tensors = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        args = _arguments(node)
+        tensors, dim = args["tensors"], args["dim"]
         rank = node.meta["val"].dim()
         if not self._is_seq_size(node.meta["val"].shape[dim % rank]):
             return None
@@ -516,7 +524,10 @@ class PaddingAnalysis:
         for node in self.gm.graph.nodes:
             if node.op != "call_function":
                 continue
-            problem = self._check_node(node)
+            try:
+                problem = self._check_node(node)
+            except _Unanalysable as unanalysable:
+                problem = str(unanalysable)
             if problem is not None:
                 about_attention = node.target in _ATTENTION_CLASS or op_name_of(node.target) == "attention"
                 if about_attention and not self._attention_problem:
