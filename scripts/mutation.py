@@ -16,7 +16,7 @@ Workers: TTFTC_MUTATION_JOBS (default 1; the machine is shared).
 The [tool.mutmut] section of pyproject.toml holds the shared settings and, in only_mutate and
 pytest_add_cli_args_test_selection, the union of the groups below (tests/test_mutation_config.py checks that).
 
-Score per module: (killed + timeout) / (mutants - equivalent - unrun); the other columns leave the equivalent
+Score per module: (killed + timeout + crash) / (mutants - equivalent - unrun); the other columns leave the equivalent
 mutants out. A mutant is equivalent when no test can tell it from the original (the same behaviour by another
 route); scripts/mutation_equivalent.toml lists each such mutant with the reason, and the report flags entries that no
 longer match a surviving mutant.
@@ -198,7 +198,12 @@ def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool, minutes
 def _status(exit_code) -> str:
     from mutmut.stats import status_by_exit_code
 
-    return status_by_exit_code[exit_code]
+    status = status_by_exit_code[exit_code]
+    # Killed by a signal mutmut has no name for (SIGFPE from a kernel fed an empty tensor, SIGABRT): the tests did
+    # not pass, so the mutant is detected.
+    if status == "suspicious" and isinstance(exit_code, int) and exit_code < 0:
+        return "crashed"
+    return status
 
 
 def results(name: str) -> dict[str, dict[str, str]]:
@@ -224,8 +229,8 @@ def report(names) -> int:
     equivalent = equivalent_mutants()
     seen: set[str] = set()
     below = 0
-    header = (f"{'module':44} {'mutants':>7} {'killed':>6} {'timeout':>7} {'survived':>8} {'no test':>7} "
-              f"{'equiv':>5} {'unrun':>5} {'score':>6}")
+    header = (f"{'module':44} {'mutants':>7} {'killed':>6} {'timeout':>7} {'crash':>5} {'survived':>8} "
+              f"{'no test':>7} {'equiv':>5} {'unrun':>5} {'score':>6}")
     print(header)
     for name in names:
         for module, statuses in results(name).items():
@@ -233,15 +238,17 @@ def report(names) -> int:
             equivalents = {m for m, s in statuses.items() if m in equivalent and s != "killed"}
             seen.update(equivalents)
             counts = Counter(s for m, s in statuses.items() if m not in equivalents)
-            detected = counts["killed"] + counts["timeout"] + counts["segfault"] + counts["caught by type check"]
+            crashed = counts["crashed"] + counts["segfault"]
+            detected = counts["killed"] + counts["timeout"] + crashed + counts["caught by type check"]
             unrun = counts["not checked"]
             judged = len(statuses) - len(equivalents) - unrun
             score = detected / judged if judged else 1.0
             below += score < 0.85 or unrun > 0
-            print(f"{module:44} {len(statuses):7} {counts['killed']:6} {counts['timeout']:7} {counts['survived']:8} "
-                  f"{counts['no tests']:7} {len(equivalents):5} {unrun:5} {score:6.1%}")
+            print(f"{module:44} {len(statuses):7} {counts['killed']:6} {counts['timeout']:7} {crashed:5} "
+                  f"{counts['survived']:8} {counts['no tests']:7} {len(equivalents):5} {unrun:5} {score:6.1%}")
             undecided = sorted(m for m, s in statuses.items()
-                               if s not in ("killed", "timeout", "not checked") and m not in equivalents)
+                               if s not in ("killed", "timeout", "crashed", "segfault", "not checked")
+                               and m not in equivalents)
             for mutant in undecided:
                 print(f"    {statuses[mutant]:10} {mutant}")
     # Only the modules these groups' runs mutated: another group's entries are not stale for not being seen here.
