@@ -54,7 +54,9 @@ GROUPS: dict[str, Group] = {
         ("ttftc/codegen/cpu/*.py",),
         ("tests/codegen/test_attention_cpu.py", "tests/codegen/test_linear_cpu.py", "tests/codegen/test_ffn_cpu.py",
          "tests/codegen/test_norm_linear_cpu.py", "tests/codegen/test_int8_cpu.py", "tests/codegen/test_rope_cpu.py",
-         "tests/codegen/test_allocator_cpu.py", "tests/autotune/test_cpu_threads.py"),
+         "tests/codegen/test_allocator_cpu.py", "tests/codegen/test_attention_native_cpu.py",
+         "tests/codegen/test_attention_gemm_blocks_cpu.py", "tests/codegen/test_rows_native_cpu.py",
+         "tests/codegen/test_int8_onednn_cpu.py", "tests/autotune/test_cpu_threads.py"),
     ),
     "triton-attention": Group(
         ("ttftc/codegen/triton/attention.py",),
