@@ -6,11 +6,11 @@ import torch
 import ttftc
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
-from ttftc.autotune.space import Problem, TensorSpec, space_for
+from ttftc.autotune.space import Problem, SearchSpace, TensorSpec, space_for
 from ttftc.autotune.tuner import OpInstance, tune_instances
 from ttftc.codegen.cpu import _threads
 from ttftc.codegen.cpu import attention as cpu_attention
-from ttftc.codegen.cpu._threads import honours_num_threads, intra_op_threads, thread_counts
+from ttftc.codegen.cpu._threads import honours_num_threads, intra_op_threads, thread_counts, with_thread_axis
 from ttftc.codegen.lowering import load_providers
 
 THREADED_OPS = ("attention", "norm_linear", "gated_ffn", "linear_act", "linear", "int8_linear")
@@ -26,6 +26,16 @@ def test_thread_counts_are_powers_of_two_then_the_core_count():
     assert thread_counts(8) == (1, 2, 4, 8)
     assert thread_counts(1) == (1,)
     assert thread_counts()[-1] == _threads.usable_cores()
+
+
+def test_usable_cores_follow_the_affinity_else_the_cpu_count(monkeypatch):
+    monkeypatch.setattr(_threads.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    monkeypatch.setattr(_threads.os, "cpu_count", lambda: 8)
+    assert _threads.usable_cores() == 1  # pinned to one core of eight
+    monkeypatch.delattr(_threads.os, "sched_getaffinity")  # a platform without affinity
+    assert _threads.usable_cores() == 8
+    monkeypatch.setattr(_threads.os, "cpu_count", lambda: None)  # the count is unknown
+    assert _threads.usable_cores() == 1
 
 
 def test_intra_op_threads_sets_and_restores_even_on_error():
@@ -80,6 +90,35 @@ def test_every_cpu_space_has_the_thread_axis_and_defaults_to_the_running_process
         assert space.axes["num_threads"] == (None,) + thread_counts(), op
         # None, not the tuning process's count: a stored default must follow the count of the process that runs it.
         assert space.default(Problem(op, "cpu", (x,), ()))["num_threads"] is None, op
+
+
+def _block_space() -> SearchSpace:
+    """A space whose default reads the problem and whose constraint refuses one block size."""
+    def default(problem):
+        return {"block": problem.tensors()[0].shape[-1]}
+
+    def no_block_3(config, problem):
+        return "block 3 refused" if config["block"] == 3 else None
+
+    return SearchSpace("op", "cpu", axes={"block": (8, 3)}, default=default, constraints=(no_block_3,))
+
+
+def test_with_thread_axis_adds_the_counts_and_keeps_the_base_knobs_default_and_constraints():
+    # The registered CPU spaces are built at import; this builds one at test time so the function itself is checked.
+    problem = Problem("op", "cpu", (TensorSpec((4, 8), torch.float32),), ())
+    current = torch.get_num_threads()
+    explicit = (current, current + 7)  # not what thread_counts() would give, so the explicit counts must be used
+    space = with_thread_axis(_block_space(), explicit)
+    assert space.op == "op" and space.provider == "cpu"
+    assert space.axes == {"block": (8, 3), "num_threads": (None,) + explicit}
+    assert space.default(problem) == {"block": 8, "num_threads": None}
+    allowed, pruned = space.candidates(problem)
+    assert allowed == [{"block": 8, "num_threads": None}, {"block": 8, "num_threads": current + 7}]
+    assert sorted((c["block"], c["num_threads"] or 0, reason) for c, reason in pruned) == [
+        (3, 0, "block 3 refused"), (3, current, "block 3 refused"), (3, current + 7, "block 3 refused"),
+        (8, current, "the current thread count: the same run as the default (None)"),
+    ]
+    assert with_thread_axis(_block_space()).axes["num_threads"] == (None,) + thread_counts()
 
 
 def _explicit_counts() -> set:

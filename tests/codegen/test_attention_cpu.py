@@ -89,6 +89,11 @@ def test_per_sequence_kv_len_including_empty(path):
     _check(2, 4, 2, 12, 30, causal=True, q_offset=18, window=9, kv_len=torch.tensor([30, 25]))
 
 
+def test_per_sequence_kv_len_all_full_or_all_short(path):
+    _check(2, 2, 1, 12, 20, causal=True, q_offset=8, kv_len=torch.tensor([20, 20]))
+    _check(2, 2, 1, 12, 20, causal=True, q_offset=8, kv_len=torch.tensor([15, 9]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_dtypes(path, dtype):
     _check(1, 4, 4, 65, 65, 32, causal=True, dtype=dtype)
@@ -111,6 +116,7 @@ def test_rows_past_every_window_are_zeros(path):
     """Queries whose window lies wholly after the last key (positions 40.. with 20 keys, window 5) see nothing."""
     _check(1, 2, 1, 10, 20, causal=True, q_offset=40, window=5)
     _check(1, 2, 1, 30, 20, causal=True, q_offset=10, window=5)  # the first rows see keys, the last ones none
+    _check(1, 2, 1, 10, 20, causal=True, q_offset=24, window=5)  # the first window starts right after the last key
 
 
 def test_empty_queries_or_keys_give_an_empty_or_zero_result():
@@ -226,6 +232,25 @@ def test_no_quadratic_memory_at_4096_tokens():
     # Per call: the bytes one op allocated itself (a 64 MiB score matrix would show up here).
     biggest = max(prof.events(), key=lambda e: e.cpu_memory_usage)
     assert biggest.cpu_memory_usage < one_head_scores / 4, (biggest.name, biggest.cpu_memory_usage)
+
+
+@flash_only
+def test_window_blocks_read_only_the_keys_their_rows_can_see(monkeypatch):
+    """One flash call per block of query rows, over keys [first row - window + 1, last row]: scores per block stay
+    rows x (rows + window - 1)."""
+    calls = []
+    flash = cpu_attention._flash
+
+    def counting(q, k, *args, **kwargs):
+        calls.append((q.shape[2], k.shape[2]))
+        return flash(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "_flash", counting)
+    q, k, v = _qkv(1, 2, 1, 300, 300, 16)
+    params = dict(causal=True, scale=SCALE, q_offset=0, window=40)
+    out = attention_cpu(q, k, v, tuning_config={"window_block_rows": 128, "small_mask_pairs": 0}, **params)
+    assert calls == [(128, 128), (128, 128 + 39), (44, 44 + 39)]
+    torch.testing.assert_close(out, attention.reference(q, k, v, **params), atol=1e-5, rtol=1e-5)
 
 
 @flash_only

@@ -4,7 +4,7 @@ and how the lowering picks between it and ATen's flash kernel."""
 import pytest
 import torch
 
-from ttftc.autotune.space import Problem, space_for
+from ttftc.autotune.space import Problem, TensorSpec, space_for
 from ttftc.codegen.cpu import attention as cpu_attention
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu.attention import attention_cpu
@@ -105,3 +105,29 @@ def test_autotune_tries_each_kernel_only_where_it_applies(monkeypatch):
     # gemm_blocks only runs plain causal attention: with an offset the default is flash, and flash's mask knobs vary
     assert offset[0]["kernel"] == "flash"
     assert {c["kernel"] for c in offset} == {"flash"} | native and len({c["small_mask_pairs"] for c in offset}) > 1
+
+
+def test_each_pruned_attention_candidate_says_why():
+    rule, defaults = cpu_attention._knobs_of_its_kernel, dict(cpu_attention.DEFAULT_TUNING)
+    plain, offset, window = (_problem(q_offset=o, window=w, dtype=torch.float32) for o, w in ((0, 0), (8, 0), (0, 4)))
+    spec = TensorSpec((1, 2, 8, 16), torch.float32)
+    no_options = Problem("attention", "cpu", (spec, spec, spec), ())  # offset and window default to 0: plain
+    gemm, flash = {**defaults, "kernel": "gemm_blocks"}, {**defaults, "kernel": "flash", "window_block_rows": 64}
+    assert rule(gemm, plain) is None and rule(gemm, no_options) is None
+    for masked in (offset, window):
+        assert rule(gemm, masked) == "gemm_blocks only runs plain causal attention (the rest is flash's)"
+        assert rule(flash, masked) is None  # flash's mask knobs matter there
+    assert rule(flash, plain) == (
+        "the flash kernel ignores window_block_rows, small_mask_pairs, gemm_block_rows, native_block_k here")
+    # the query's dtype decides (the key's differs here only to show which one is read)
+    fp16_q = Problem("attention", "cpu", (TensorSpec((1, 2, 8, 16), torch.float16), spec, spec), ())
+    assert rule({**defaults, "kernel": "native"}, fp16_q) == "the native kernel does not run torch.float16 here"
+
+
+def test_the_default_kernel_is_the_fastest_for_the_querys_dtype_where_it_applies(monkeypatch):
+    fastest = {torch.float32: "native", torch.bfloat16: "gemm_blocks"}
+    monkeypatch.setattr(cpu_attention, "fastest_kernel", lambda dtype: fastest[dtype])
+    assert cpu_attention._default_config(_problem(dtype=torch.bfloat16))["kernel"] == "gemm_blocks"
+    assert cpu_attention._default_config(_problem(q_offset=8, dtype=torch.bfloat16))["kernel"] == "flash"
+    assert cpu_attention._default_config(_problem(window=4, dtype=torch.bfloat16))["kernel"] == "flash"
+    assert cpu_attention._default_config(_problem(q_offset=8, dtype=torch.float32))["kernel"] == "native"

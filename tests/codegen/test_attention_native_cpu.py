@@ -4,6 +4,7 @@ present, sources current, inputs validated)."""
 
 from __future__ import annotations
 
+import io
 import platform
 import shutil
 
@@ -202,6 +203,35 @@ def test_a_build_from_other_sources_is_refused(monkeypatch):
     assert _native.unavailable_reason() is None or platform.system() != "Linux"
 
 
+def test_the_digest_of_the_sources_is_the_one_the_module_was_built_with():
+    # the built module itself, not through _load, which compares the two once and then caches its answer
+    module = pytest.importorskip("ttftc.codegen.cpu._native_kernels")
+    assert _native.source_digest() == module.source_digest()
+
+
+def _fake_maps(monkeypatch, *paths):
+    """/proc/self/maps listing these mapped files (and only that file may be opened)."""
+    lines = "".join(f"7f0000000000-7f0000001000 r-xp 00000000 08:01 1234  {p}\n" for p in paths)
+
+    def fake_open(path, *args, **kwargs):
+        if path != "/proc/self/maps":
+            raise FileNotFoundError(path)
+        return io.StringIO(lines)
+
+    monkeypatch.setattr(_native, "open", fake_open, raising=False)
+
+
+@pytest.mark.parametrize("runtime", ["/opt/intel/libiomp5.so", "/usr/lib/libgomp.so.1", "/usr/lib/libgomp-a1b2.so.5"])
+def test_the_openmp_runtime_is_found_by_its_name_in_the_memory_map(monkeypatch, runtime):
+    _fake_maps(monkeypatch, "/usr/lib/libc.so.6", "/usr/lib/libm.so", runtime, "/usr/lib/libgomp_notes.txt")
+    assert _native._loaded_openmp() == runtime
+
+
+def test_no_openmp_runtime_in_the_memory_map_means_none(monkeypatch):
+    _fake_maps(monkeypatch, "/usr/lib/libc.so.6", "/usr/lib/libm.so", "/usr/lib/libgomp.a")
+    assert _native._loaded_openmp() is None
+
+
 def test_set_isa_refuses_what_this_cpu_lacks_or_does_not_know():
     with pytest.raises(ValueError, match="unknown instruction set"):
         _native.set_isa("sse9")
@@ -209,3 +239,10 @@ def test_set_isa_refuses_what_this_cpu_lacks_or_does_not_know():
     for name in missing:
         with pytest.raises(ValueError, match="does not run"):
             _native.set_isa(name)
+
+
+def test_set_isa_without_the_module_says_why(monkeypatch):
+    monkeypatch.setattr(_native, "_load", lambda: (None, "no native module in this build"))
+    with pytest.raises(RuntimeError) as refused:
+        _native.set_isa("base")
+    assert str(refused.value) == "no native module in this build"

@@ -158,6 +158,16 @@ def test_every_gated_and_linear_act_refusal():
     assert "tensors on cuda" in linear.unsupported_reason(LoweringContext("cuda", None), x, w_gu, act="relu")
 
 
+def test_linear_act_refusals_check_both_operands_and_name_the_input_width():
+    (linear,) = [e for e in lowerings_for("linear_act") if e.provider == "cpu"]
+    x, w, _, _, _ = _weights(torch.float32)  # x is [2, 5, 24]: the width is the last dim, not a batch dim
+    assert linear.unsupported_reason(CPU, x, w[:, :-1], act="relu") == "weight (80, 23) does not fit input width 24"
+    assert linear.unsupported_reason(CPU, x, w.half(), act="relu") == (
+        "weight dtype torch.float16 differs from activation dtype torch.float32")
+    assert linear.unsupported_reason(CPU, x.double(), w, act="relu") == (
+        "dtype torch.float64 not supported by the cpu GEMM path")
+
+
 @pytest.mark.parametrize("tuning", [{"gemm": "blas", "n_block": 16}, {"gemm": "blas", "n_block": 0},
                                     {"gemm": "onednn", "n_block": 0}, {"num_threads": 1}])
 def test_every_gemm_config_gives_the_reference_numbers(tuning):

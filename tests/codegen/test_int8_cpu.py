@@ -44,6 +44,32 @@ def test_int8_linear_matches_reference(tokens, out_dtype):
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
 
 
+def _counting_int_mm(monkeypatch) -> list:
+    """The row count of every torch._int_mm call."""
+    rows, int_mm = [], torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: rows.append(a.shape[0]) or int_mm(a, b))
+    return rows
+
+
+def test_long_prompts_run_one_gemm_per_row_block(monkeypatch):
+    rows = _counting_int_mm(monkeypatch)
+    tokens = 2 * cpu.ROW_BLOCK + 37
+    x = torch.randn(tokens, 64)
+    w, s = _weights(8, 64)
+    actual = cpu.int8_linear_cpu(x, None, w, s, out_dtype=torch.float32)
+    assert rows == [cpu.ROW_BLOCK, cpu.ROW_BLOCK, 37]  # the int32 scratch stays ROW_BLOCK rows
+    torch.testing.assert_close(actual, int8_linear.reference(x, None, w, s, out_dtype=torch.float32))
+
+
+def test_a_wide_input_with_few_tokens_is_one_gemm(monkeypatch):
+    rows = _counting_int_mm(monkeypatch)
+    x = torch.randn(5, cpu.ROW_BLOCK + 88)  # the blocking counts tokens, not the input width
+    w, s = _weights(8, cpu.ROW_BLOCK + 88)
+    actual = cpu.int8_linear_cpu(x, None, w, s, out_dtype=torch.float32)
+    assert rows == [5] and actual.shape == (5, 8)
+    torch.testing.assert_close(actual, int8_linear.reference(x, None, w, s, out_dtype=torch.float32))
+
+
 def test_int8_linear_with_prequantised_input():
     x = torch.randn(30, 64)
     q, scale = quantize_per_token(x)
@@ -165,6 +191,36 @@ def test_quantize_per_token_and_norm_quant_keep_the_token_shape():
     assert q.shape == (2, 3, 64) and s.shape == (2, 3) and r.numel() == 0
 
 
+def test_int8_refusals_check_the_given_scale_the_gate_up_split_and_the_residual():
+    x = torch.randn(4, 63)  # an odd width is fine: only the gate|up row count must split in two
+    xq, xs = quantize_per_token(x)
+    w_gu, s_gu = _weights(16, 63)
+    w_d, s_d = _weights(63, 8)
+    gated = dict(act="silu", out_dtype=torch.float32)
+    assert cpu._gated_reason(CPU, x, None, w_gu, s_gu, w_d, s_d, **gated) is None
+    assert cpu._gated_reason(CPU, xq, xs, w_gu, s_gu, w_d, s_d, **gated) is None
+    assert cpu._gated_reason(CPU, x, xs, w_gu, s_gu, w_d, s_d, **gated) == (
+        "activation is torch.float32 although a scale is given (want int8)")
+    w_odd, s_odd = _weights(17, 63)  # 17 // 2 is w_down's width, but 17 rows have no gate|up halves
+    assert cpu._gated_reason(CPU, x, None, w_odd, s_odd, w_d, s_d, **gated) == (
+        "weights (17, 63) / (63, 8) do not form a gated FFN")
+    tokens = torch.randn(2, 5, 63)  # the width is the last dim, not a batch dim
+    assert cpu._int8_linear_reason(CPU, tokens, None, w_gu, s_gu, out_dtype=torch.float32) is None
+    assert cpu._int8_linear_reason(CPU, tokens, None, w_d, s_d, out_dtype=torch.float32) == (
+        "weight (63, 8) does not fit input width 63")
+    norm_w = torch.ones(63)
+    assert cpu._norm_quant_reason(CPU, x, norm_w, None, torch.randn(4, 63), kind="rms", eps=1e-6) is None
+    for residual in (torch.randn(2, 63), torch.randn(4, 63, dtype=torch.bfloat16)):
+        assert cpu._norm_quant_reason(CPU, x, norm_w, None, residual, kind="rms", eps=1e-6) == (
+            "residual shape or dtype differs from the input")
+
+
+def test_only_the_u8_gemm_candidate_needs_onednns_quantised_linear(monkeypatch):
+    monkeypatch.setattr(cpu, "onednn_u8_reason", lambda: "no qlinear here")
+    assert cpu._u8_gemm_constraint({"gemm": "onednn_u8"}, None) == "no qlinear here"
+    assert cpu._u8_gemm_constraint({"gemm": "int_mm"}, None) is None
+
+
 def test_every_capability_refusal_names_its_reason(monkeypatch):
     x = torch.randn(4, 64)
     w, s = _weights(8, 64)
@@ -198,4 +254,4 @@ def test_every_capability_refusal_names_its_reason(monkeypatch):
     assert "is not a 2-D int8 matrix" in cpu._gated_reason(CPU, x, None, w_gu, s_gu, w_d.float(), s_d, **gated)
     assert "cuda" in cpu._gated_reason(LoweringContext("cuda", None), x, None, w_gu, s_gu, w_d, s_d, **gated)
     monkeypatch.delattr(torch, "_int_mm")
-    assert "no torch._int_mm" in linear(CPU, x, None, w, s, **ok)
+    assert linear(CPU, x, None, w, s, **ok) == "this torch has no torch._int_mm"

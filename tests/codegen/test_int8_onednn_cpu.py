@@ -50,6 +50,14 @@ def test_a_weight_is_packed_once_and_released_with_it():
     assert len(packed._packed) == 0
 
 
+def test_each_live_weight_keeps_its_own_packing():
+    packed = cpu_int8.PackedWeights()
+    _, w_a, _, _ = _operands(seed=1)
+    _, w_b, _, _ = _operands(seed=2)
+    first_a, first_b = packed.get(w_a, 37), packed.get(w_b, 37)
+    assert packed.get(w_a, 37) is first_a and packed.get(w_b, 37) is first_b and len(packed._packed) == 2
+
+
 def test_the_gemm_is_a_knob_with_int_mm_as_the_default():
     x, w_q, w_s, bias = _operands()
     space = space_for("int8_linear", "cpu", "cpu")

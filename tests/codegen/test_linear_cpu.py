@@ -119,9 +119,12 @@ def test_gemm_options_and_the_search_space_rules():
     problem = Problem("linear", "cpu", (TensorSpec((8, 16), torch.float16), TensorSpec((16, 16), torch.float16)), ())
     assert default_wide_gemm_config(problem) == {"gemm": "blas", "n_block": 1024}
     assert wide_gemm_constraint({"gemm": "blas", "n_block": 512}, problem) is None
-    assert "column blocks apply to the blas backend only" in wide_gemm_constraint({"gemm": "onednn", "n_block": 512},
-                                                                                   problem)
+    assert wide_gemm_constraint({"gemm": "onednn", "n_block": 512}, problem) == (
+        "column blocks apply to the blas backend only")
     assert "not torch.float16" in wide_gemm_constraint({"gemm": "onednn", "n_block": 0}, problem)
+    # the activation (first tensor) decides, whatever the other tensors' dtype
+    mixed = Problem("linear", "cpu", (TensorSpec((8, 16), torch.float16), TensorSpec((16, 16), torch.float64)), ())
+    assert wide_gemm_constraint({"gemm": "onednn", "n_block": 0}, mixed) == onednn_reason(torch.float16)
 
 
 @needs_onednn

@@ -3,6 +3,8 @@ the native row kernel and on ATen."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -103,13 +105,37 @@ def test_fp32_rms_norm_uses_the_weight_and_eps():
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_layer_norm_uses_weight_bias_and_eps():
+# eps 1e-2 against rows of variance ~1e-6: the result is far from that of any default eps
+@pytest.mark.parametrize("eps", [1e-5, 1e-2])
+def test_layer_norm_uses_weight_bias_and_eps(eps):
     x, _, norm_w, norm_b, _, _ = _inputs(torch.float32, "layer", residual=False)
     x = x * 1e-3
-    y, res = norm_cpu(x, norm_w, norm_b, None, kind="layer", eps=1e-5)
+    y, res = norm_cpu(x, norm_w, norm_b, None, kind="layer", eps=eps)
     mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
-    torch.testing.assert_close(y, (x - mean) / torch.sqrt(var + 1e-5) * norm_w + norm_b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y, (x - mean) / torch.sqrt(var + eps) * norm_w + norm_b, atol=1e-4, rtol=1e-4)
     assert res.numel() == 0
+
+
+def test_16_bit_rms_norm_uses_the_given_eps_not_a_default():
+    x, _, norm_w, _, _, _ = _inputs(torch.float32, "rms", residual=False)
+    x = x * 1e-3
+    xb = x.bfloat16()
+    y, _ = norm_cpu(xb, norm_w.bfloat16(), None, None, kind="rms", eps=1e-2)
+    xf = xb.float()
+    expected = norm_w.bfloat16() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-2)).bfloat16()
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(y, expected, atol=atol, rtol=rtol)
+
+
+def test_fp32_rms_norm_with_a_bf16_weight_applies_it_in_fp32_without_a_warning():
+    x, _, norm_w, _, _, _ = _inputs(torch.float32, "rms", residual=False)
+    with warnings.catch_warnings():
+        # torch.rms_norm with a weight of another dtype warns that it cannot use its fused kernel
+        warnings.simplefilter("error")
+        y, _ = norm_cpu(x, norm_w.bfloat16(), None, None, kind="rms", eps=1e-6)
+    expected = norm_w.bfloat16().float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_norm_capability_reasons():

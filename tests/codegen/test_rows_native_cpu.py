@@ -146,3 +146,98 @@ def test_row_kernels_refuse_what_they_cannot_read():
         _native.dequant(torch.zeros(2, 8), torch.ones(2), torch.ones(8), None, torch.float32)
     with pytest.raises(ValueError, match="residual"):
         _native.norm_quant(torch.randn(2, 8), torch.ones(8), None, torch.randn(2, 9), layer=False, eps=1e-5)
+
+
+def _gated_quant_refusal(acc, x_scale, w_scale, bias=None, act="silu") -> str:
+    with pytest.raises(ValueError) as refused:
+        _native.gated_quant(acc, x_scale, w_scale, bias, act)
+    return str(refused.value)
+
+
+def test_gated_quant_refuses_each_malformed_operand_by_name(monkeypatch):
+    acc, x_scale, w_scale = torch.zeros(2, 8, dtype=torch.int32), torch.ones(2), torch.ones(8)
+    bad_acc = "gated_quant: acc must be int32 [M, 2I]"
+    assert _gated_quant_refusal(acc.float(), x_scale, w_scale) == bad_acc
+    assert _gated_quant_refusal(torch.zeros(8, 2, dtype=torch.int32).t(), x_scale, w_scale) == bad_acc  # strided
+    assert _gated_quant_refusal(torch.zeros(2, 7, dtype=torch.int32), x_scale, torch.ones(7)) == bad_acc  # odd 2I
+    assert _gated_quant_refusal(acc, torch.ones(3), w_scale) == "gated_quant: scales"
+    assert _gated_quant_refusal(acc, x_scale, torch.ones(6)) == "gated_quant: scales"
+    assert _gated_quant_refusal(acc, x_scale, w_scale, torch.ones(6)) == "gated_quant: scales"
+    assert _gated_quant_refusal(acc, x_scale, w_scale, act="gelu") == "gated_quant: activation 'gelu'"
+    monkeypatch.setattr(_native, "unavailable_reason", lambda: "no native build here")
+    assert _gated_quant_refusal(acc, x_scale, w_scale) == "gated_quant: no native build here"
+
+
+def test_gated_quant_scales_are_fp32_whatever_the_default_dtype():
+    acc = torch.tensor([[100, -50, 3, 4]], dtype=torch.int32)
+    expected_q, expected_scale = _native.gated_quant(acc, torch.tensor([0.01]), torch.ones(4), None, "relu")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        q, scale = _native.gated_quant(acc, torch.tensor([0.01]), torch.ones(4), None, "relu")
+    finally:
+        torch.set_default_dtype(previous)
+    assert scale.dtype == torch.float32 and torch.equal(scale, expected_scale) and torch.equal(q, expected_q)
+
+
+def test_quantize_rows_refuses_other_dtypes_and_non_unit_stride_rows_by_name(monkeypatch):
+    with pytest.raises(ValueError) as refused:
+        _native.quantize_rows(torch.randn(4, 8, dtype=torch.float16))
+    assert str(refused.value) == "quantize_rows: the native row kernels read fp32 or bf16, not torch.float16"
+    with pytest.raises(ValueError) as refused:
+        _native.quantize_rows(torch.randn(8, 4).t())  # columns one row apart: the kernel reads rows
+    assert str(refused.value) == ("quantize_rows: expects a [M, K] matrix with unit-stride rows, got shape (4, 8) "
+                                  "strides (1, 4)")
+    with pytest.raises(ValueError, match=r"^quantize_rows: expects a \[M, K\] matrix .* shape \(2, 4, 8\)"):
+        _native.quantize_rows(torch.randn(2, 4, 8))
+    monkeypatch.setattr(_native, "unavailable_reason", lambda: "no native build here")
+    with pytest.raises(ValueError) as refused:
+        _native.dequant(torch.zeros(2, 8, dtype=torch.int32), torch.ones(2), torch.ones(8), None, torch.float32)
+    assert str(refused.value) == "dequant: no native build here"
+
+
+def test_quantize_rows_of_zero_width_get_the_floor_scale():
+    # the scale of an all-zero row: amax clamped to 1e-8, over 127
+    q, scale = _native.quantize_rows(torch.empty(3, 0))
+    assert q.shape == (3, 0) and torch.equal(scale, torch.full((3,), 1e-8 / 127.0))
+
+
+def test_quantize_rows_scales_are_fp32_whatever_the_default_dtype():
+    x = torch.randn(3, 16)
+    expected_q, expected_scale = _native.quantize_rows(x)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        q, scale = _native.quantize_rows(x)
+    finally:
+        torch.set_default_dtype(previous)
+    assert scale.dtype == torch.float32 and torch.equal(scale, expected_scale) and torch.equal(q, expected_q)
+
+
+def _dequant_refusal(acc, x_scale, w_scale, bias=None, out_dtype=torch.float32) -> str:
+    with pytest.raises(ValueError) as refused:
+        _native.dequant(acc, x_scale, w_scale, bias, out_dtype)
+    return str(refused.value)
+
+
+def test_dequant_refuses_each_malformed_operand_by_name():
+    acc, x_scale, w_scale = torch.zeros(2, 8, dtype=torch.int32), torch.ones(2), torch.ones(8)
+    assert _dequant_refusal(acc.float(), x_scale, w_scale) == "dequant: acc must be int32 rows"
+    assert _dequant_refusal(torch.zeros(8, 2, dtype=torch.int32).t(), x_scale, w_scale) == (
+        "dequant: acc must be int32 rows")
+    assert _dequant_refusal(acc, x_scale, w_scale, out_dtype=torch.float16) == "dequant: out dtype torch.float16"
+    assert _dequant_refusal(acc, torch.ones(3), w_scale) == "dequant: scales"
+    assert _dequant_refusal(acc, x_scale, torch.ones(6)) == "dequant: scales"
+    assert _dequant_refusal(acc, x_scale, w_scale, torch.ones(6)) == "dequant: scales"
+
+
+def test_dequant_of_no_columns_or_no_rows_is_empty():
+    assert _native.dequant(torch.zeros(3, 0, dtype=torch.int32), torch.ones(3), torch.ones(0), None,
+                           torch.float32).shape == (3, 0)
+    assert _native.dequant(torch.zeros(0, 4, dtype=torch.int32), torch.ones(0), torch.ones(4), None,
+                           torch.bfloat16).shape == (0, 4)
+
+
+def test_gated_quant_of_zero_width_gives_the_floor_scale():
+    q, scale = _native.gated_quant(torch.zeros(3, 0, dtype=torch.int32), torch.ones(3), torch.ones(0), None, "silu")
+    assert q.shape == (3, 0) and torch.equal(scale, torch.full((3,), 1e-8 / 127.0))

@@ -1072,9 +1072,12 @@ def test_fuse_quant_producers_edge_cases():
     gm.graph.erase_node(unused_view)
     assert _w8a8_rewrite._all_users_are(getitem0, {lin})
     with gm.graph.inserting_before(out):
-        float_reader = gu.call(gm, aten.relu.default, (getitem0,))  # after the consumer in getitem0's users
-    assert not _w8a8_rewrite._all_users_are(getitem0, {lin})
+        direct = gu.call(gm, tt.int8_linear.default, (getitem0, None, wq, ws, None), {"out_dtype": FP32})
+        float_reader = gu.call(gm, aten.relu.default, (getitem0,))  # after a direct consumer in getitem0's users
+    assert _w8a8_rewrite._all_users_are(getitem0, {lin, direct, float_reader})
+    assert not _w8a8_rewrite._all_users_are(getitem0, {lin, direct})
     gm.graph.erase_node(float_reader)
+    gm.graph.erase_node(direct)
     assert _w8a8_rewrite._int8_consumers_without_scale(gm) == {getitem0: [(lin, [view])]}
     _w8a8_rewrite.fuse_quant_producers(gm)
     nq = one(gm, tt.norm_quant.default)

@@ -190,15 +190,16 @@ def _threads() -> int:
 
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row of a [M, K] fp32/bf16 matrix (rows may be strided): as quantize_per_token."""
-    _check(rows_reason(x2d) is None and x2d.dim() == 2 and _rows_ready(x2d), f"quantize_rows: {rows_reason(x2d)}")
+    reason = rows_reason(x2d)
+    if reason is None and not (x2d.dim() == 2 and _rows_ready(x2d)):
+        reason = f"expects a [M, K] matrix with unit-stride rows, got shape {tuple(x2d.shape)} strides {x2d.stride()}"
+    _check(reason is None, f"quantize_rows: {reason}")
     m, k = x2d.shape
     q = torch.empty(m, k, dtype=torch.int8)
     scale = torch.empty(m, dtype=torch.float32)
-    if m and k:
+    if m:  # with k 0 too: the kernel gives such rows the all-zero row's scale, 1e-8 / 127
         _call("quantize_rows", (x2d.data_ptr(), int(x2d.dtype == torch.bfloat16), x2d.stride(0), q.data_ptr(),
                                 scale.data_ptr(), m, k, _threads()))
-    elif m:
-        scale.fill_(1e-8 / 127.0)
     return q, scale
 
 
@@ -289,7 +290,7 @@ def gated_quant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
     inter = two_i // 2
     q = torch.empty(m, inter, dtype=torch.int8)
     scale = torch.empty(m, dtype=torch.float32)
-    if m and inter:
+    if m:  # with inter 0 too: the kernel gives such rows the all-zero row's scale, as quantize_rows does
         _call("gated_quant", (acc.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(),
                               0 if bias is None else bias.data_ptr(), q.data_ptr(), scale.data_ptr(), m, inter,
                               ACTIVATION_CODES[act], _threads()))

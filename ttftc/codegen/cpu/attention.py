@@ -188,7 +188,7 @@ def fastest_kernel(dtype: torch.dtype) -> str:
 
 def _native_attention(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: int, window: int,
                       block_k: int) -> torch.Tensor:
-    out = _flash_layout_fake(q, k, v, causal=causal, scale=scale)
+    out = _empty_out(q, v)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     # K/V rows a multiple of 4 KiB apart (16 interleaved fp32 heads of 64) fall into the same L1 sets. The kernel's
     # copy into its tile order pays once enough queries read each key (2048 keys, 16 heads, AMD EPYC: 0.95x the
@@ -263,10 +263,14 @@ register_space(with_thread_axis(SearchSpace(
 )))
 
 
-def _flash_layout_fake(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, tuning_config=None):
+def _empty_out(q, v) -> torch.Tensor:
     """The output layout of this lowering: [B, H, S, D] stored as [B, S, H, D], the flash kernel's own (so the
     transpose back to [B, S, H*D] that every model does next is free)."""
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
+
+
+def _flash_layout_fake(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=0, tuning_config=None):
+    return _empty_out(q, v)
 
 
 def _in_flash_layout(out: torch.Tensor) -> torch.Tensor:
@@ -282,9 +286,11 @@ def _per_sequence(q, k, v, kv_len, *, causal, scale, q_offset, window, tuning) -
     params = dict(causal=causal, scale=scale, q_offset=q_offset, window=window, tuning=tuning)
     if all(n == skv for n in lengths):
         return _attend(q, k, v, None, **params)
-    out = _flash_layout_fake(q, k, v, causal=causal, scale=scale)  # every sequence's rows are written below
+    out = _empty_out(q, v)  # every sequence's rows are written below
     for b, n in enumerate(lengths):
-        out[b : b + 1] = _attend(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None, **params)
+        # indexed, not sliced: flash takes the batch size from q and never checks k's or v's, so a wrong slice
+        # would go unnoticed
+        out[b] = _attend(q[b, None], k[b, None, :, :n], v[b, None, :, :n], None, **params)[0]
     return out
 
 
