@@ -129,7 +129,7 @@ def candidate_configs(head_dim: int, dtype: torch.dtype, q_len: Optional[int] = 
 def prune_reason(config: dict, head_dim: int, dtype: torch.dtype, q_len: Optional[int],
                  target: Optional[Target]) -> Optional[str]:
     """Why `config` cannot serve this problem on `target`, or None."""
-    if config["block_n"] > max(16, padded_head_dim(head_dim)) and config["block_n"] > 64:
+    if config["block_n"] > max(64, padded_head_dim(head_dim)):
         return "BLOCK_N above the head dim and 64"
     if q_len is not None and config["block_m"] > max(16, triton_next_pow2(q_len)):
         return f"BLOCK_M {config['block_m']} is larger than the {q_len}-row prompt"
@@ -464,7 +464,7 @@ def _space_rule(config: dict, problem: Problem) -> Optional[str]:
 def _space_default(problem: Problem) -> dict:
     q = problem.args[0]
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-    return dataclasses.asdict(default_config(q.shape[-1], q.dtype, device, current_target()))
+    return dataclasses.asdict(default_config(q.shape[-1], q.dtype, device))  # target None: the current GPU's
 
 
 register_space(SearchSpace("attention", "triton", axes=TUNING_AXES, default=_space_default,
