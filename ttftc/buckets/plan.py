@@ -62,7 +62,6 @@ _CONSTRUCTORS = {
 # Prefix scans are causal by construction: position i reads positions <= i.
 _PREFIX_SCANS = {aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
 
-# (dims argument index, keepdim/other args ignored); None as dims means "all dims".
 # Reductions over their `dim` argument (an int, a list, or None for every dim).
 _REDUCTIONS = {
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
