@@ -1,7 +1,7 @@
 """Mutation testing (mutmut 3) of the modules where a silent numeric or scheduling bug costs most. Not part of CI.
 
     python3 scripts/mutation.py                      # every group, one after another
-    python3 scripts/mutation.py scheduler buckets    # some groups
+    python3 scripts/mutation.py scheduler buckets-plan   # some groups
     python3 scripts/mutation.py --list               # the groups, their modules and test files
     python3 scripts/mutation.py --report             # the score table of the runs so far, without running
     python3 scripts/mutation.py --retest-survivors scheduler   # after adding tests: retry the survivors only
@@ -11,6 +11,8 @@ Each group mutates its modules and runs only its matching test files (the quick 
 mutant is judged by the tests written for its module, not by whole-model tests that happen to execute it.
 mutmut runs in a scratch copy of the repository (TTFTC_MUTATION_DIR, default /tmp/ttftc-mutation/<group>), never
 in the checkout; a second run resumes there and only tries mutants without a result (--fresh starts over).
+Each run ends by writing the group's results into scripts/mutation_results/<group>.json, to be committed: a new
+machine's scratch copy starts from them, and mutmut runs again only the mutants of functions edited since.
 Workers: TTFTC_MUTATION_JOBS (default 1; the machine is shared).
 
 The [tool.mutmut] section of pyproject.toml holds the shared settings and, in only_mutate and
@@ -39,6 +41,8 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = REPO / "scripts" / "mutation_equivalent.toml"
+# Each group's results, committed: mutmut keeps its own in the scratch copy (/tmp), which a new machine does not have.
+LEDGER_DIR = REPO / "scripts" / "mutation_results"
 _COPY_IGNORE = shutil.ignore_patterns(".git", "mutants", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info",
                                       "out*", ".benchmarks")
 
@@ -72,9 +76,15 @@ GROUPS: dict[str, Group] = {
         ("ttftc/passes/_attention_mask.py",),
         ("tests/passes/test_attention_mask.py",),
     ),
-    "buckets": Group(
-        ("ttftc/buckets/*.py",),
-        ("tests/buckets/test_plan.py", "tests/buckets/test_program.py", "tests/runtime/test_bucketed.py"),
+    # Two groups, so that a plan.py mutant is judged by the plan's own tests in seconds, not by every bucketed-model
+    # test that reaches it (up to 100 s per survivor).
+    "buckets-plan": Group(
+        ("ttftc/buckets/plan.py", "ttftc/buckets/program.py", "ttftc/buckets/table.py", "ttftc/buckets/constants.py"),
+        ("tests/buckets/test_plan.py", "tests/buckets/test_program.py"),
+    ),
+    "buckets-model": Group(
+        ("ttftc/buckets/capture.py", "ttftc/buckets/compiled.py"),
+        ("tests/runtime/test_bucketed.py",),
     ),
     "scheduler": Group(
         ("ttftc/runtime/scheduler.py",),
@@ -154,6 +164,8 @@ def prepare(name: str, fresh: bool) -> Path:
                 target = root / "mutants" / path.relative_to(REPO)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
+    if not fresh:
+        seed_from_ledger(name, root / "mutants")
     return root
 
 
@@ -191,7 +203,91 @@ def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool, minutes
                                             if again else ""), flush=True)
     if retry and not again:
         return 0
-    return _call([mutmut, "run", "--max-children", str(jobs), *again], root, env, minutes)
+    code = _call([mutmut, "run", "--max-children", str(jobs), *again], root, env, minutes)
+    saved = save_ledger(name)
+    if saved:
+        print(f"results saved in {saved.relative_to(REPO)} (commit it: a new scratch copy starts from it)", flush=True)
+    return code
+
+
+# -- the ledger: results that outlive the scratch copy ----------------------------------------------------------
+
+
+def ledger_path(name: str) -> Path:
+    return LEDGER_DIR / f"{name}.json"
+
+
+def save_ledger(name: str) -> Optional[Path]:
+    """Write the group's mutmut results (per module: function hashes, exit code per mutant) into the checkout."""
+    mutants = workdir(name) / "mutants"
+    modules = {}
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        data = json.loads(meta.read_text())
+        if data["exit_code_by_key"]:
+            module = str(meta.relative_to(mutants))[: -len(".meta")]
+            prefix = _module_prefix(module)
+            modules[module] = {
+                "hash_by_function_name": data["hash_by_function_name"],
+                "exit_code_by_mutant": {key.removeprefix(prefix): code
+                                        for key, code in data["exit_code_by_key"].items()},
+            }
+    if not modules:
+        return None
+    path = ledger_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(modules, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def _module_prefix(module: str) -> str:
+    """mutmut's name prefix of a module's mutants: ttftc/buckets/plan.py -> ttftc.buckets.plan."""
+    return module[: -len(".py")].replace("/", ".") + "."
+
+
+def load_ledger(name: str) -> dict[str, dict]:
+    """module -> {"hash_by_function_name", "exit_code_by_key"}, checked: the file is data from the repository, and a
+    module path must name a Python file of the package (no other path is written from it)."""
+    path = ledger_path(name)
+    if not path.exists():
+        return {}
+    try:
+        modules = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{path} is not valid JSON ({error}); delete it to start the group's results over")
+    if not isinstance(modules, dict):
+        raise SystemExit(f"{path}: expected an object of modules; delete it to start the group's results over")
+    checked = {}
+    for module, entry in modules.items():
+        if not _well_formed(module, entry):
+            raise SystemExit(f"{path}: entry {module!r} is malformed; delete it to start the group's results over")
+        prefix = _module_prefix(module)
+        checked[module] = {"hash_by_function_name": dict(entry["hash_by_function_name"]),
+                           "exit_code_by_key": {prefix + k: v for k, v in entry["exit_code_by_mutant"].items()}}
+    return checked
+
+
+def _well_formed(module, entry) -> bool:
+    if not (isinstance(module, str) and module.endswith(".py") and not Path(module).is_absolute()
+            and Path(module).parts[:1] == ("ttftc",) and ".." not in Path(module).parts):
+        return False
+    if not (isinstance(entry, dict) and set(entry) == {"hash_by_function_name", "exit_code_by_mutant"}):
+        return False
+    hashes, codes = entry["hash_by_function_name"], entry["exit_code_by_mutant"]
+    return (isinstance(hashes, dict) and isinstance(codes, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in hashes.items())
+            and all(isinstance(k, str) and (v is None or type(v) is int) for k, v in codes.items()))
+
+
+def seed_from_ledger(name: str, mutants: Path) -> None:
+    """Give a new scratch copy the committed results. mutmut keeps a result while its function's hash is unchanged,
+    so only mutants of functions edited since are run again."""
+    for module, entry in load_ledger(name).items():
+        meta = mutants / (module + ".meta")
+        if meta.exists():  # the scratch copy's own results are at least as new
+            continue
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps({**entry, "type_check_error_by_key": {}, "durations_by_key": {},
+                                    "estimated_durations_by_key": {}}))
 
 
 # -- the report ----------------------------------------------------------------------------------------------
@@ -217,6 +313,9 @@ def results(name: str) -> dict[str, dict[str, str]]:
         codes = json.loads(meta.read_text())["exit_code_by_key"]
         if codes:
             found[module] = {mutant: _status(code) for mutant, code in codes.items()}
+    if not found:  # no scratch copy on this machine: the committed results
+        found = {module: {mutant: _status(code) for mutant, code in entry["exit_code_by_key"].items()}
+                 for module, entry in sorted(load_ledger(name).items()) if entry["exit_code_by_key"]}
     return found
 
 
@@ -268,7 +367,8 @@ def main(argv=None) -> int:
     parser.add_argument("groups", nargs="*", metavar="GROUP", help=f"one of {', '.join(GROUPS)} (default: all)")
     parser.add_argument("--list", action="store_true", help="print the groups and exit")
     parser.add_argument("--report", action="store_true", help="print the scores of earlier runs and exit")
-    parser.add_argument("--fresh", action="store_true", help="drop earlier results of these groups first")
+    parser.add_argument("--fresh", action="store_true",
+                        help="drop earlier results of these groups first (the scratch copy's and the committed ones)")
     parser.add_argument("--retest-survivors", action="store_true",
                         help="run the surviving mutants of earlier runs again (after adding tests)")
     parser.add_argument("--retest-timeouts", action="store_true",

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,3 +49,62 @@ def test_a_group_config_replaces_only_the_mutmut_table():
     assert mutmut["only_mutate"] == ["ttftc/runtime/scheduler.py"]
     assert mutmut["pytest_add_cli_args_test_selection"] == list(script.GROUPS["scheduler"].tests)
     assert mutmut["process_isolation"] == original["tool"]["mutmut"]["process_isolation"]
+
+
+def _fake_scratch_copy(root: Path, module: str, exit_codes: dict, hashes: dict) -> None:
+    meta = root / "mutants" / (module + ".meta")
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"exit_code_by_key": exit_codes, "hash_by_function_name": hashes,
+                                "type_check_error_by_key": {}, "durations_by_key": {"x": 1.0},
+                                "estimated_durations_by_key": {}}))
+
+
+def test_results_go_through_the_ledger_into_a_new_scratch_copy(tmp_path, monkeypatch):
+    script = _script()
+    monkeypatch.setattr(script, "LEDGER_DIR", tmp_path / "ledger")
+    monkeypatch.setenv("TTFTC_MUTATION_DIR", str(tmp_path / "old-machine"))
+    codes = {"ttftc.buckets.table.x_bucket_for__mutmut_1": 1, "ttftc.buckets.table.x_bucket_for__mutmut_2": 0,
+             "ttftc.buckets.table.x_bucket_for__mutmut_3": None}
+    _fake_scratch_copy(tmp_path / "old-machine" / "g", "ttftc/buckets/table.py", codes, {"x_bucket_for": "abc"})
+    saved = script.save_ledger("g")
+    assert json.loads(saved.read_text())["ttftc/buckets/table.py"]["exit_code_by_mutant"] == {
+        "x_bucket_for__mutmut_1": 1, "x_bucket_for__mutmut_2": 0, "x_bucket_for__mutmut_3": None}
+
+    monkeypatch.setenv("TTFTC_MUTATION_DIR", str(tmp_path / "new-machine"))
+    assert script.results("g") == {"ttftc/buckets/table.py": {  # before any run here: the committed results
+        "ttftc.buckets.table.x_bucket_for__mutmut_1": "killed", "ttftc.buckets.table.x_bucket_for__mutmut_2": "survived",
+        "ttftc.buckets.table.x_bucket_for__mutmut_3": "not checked"}}
+    mutants = tmp_path / "new-machine" / "g" / "mutants"
+    script.seed_from_ledger("g", mutants)
+    seeded = json.loads((mutants / "ttftc/buckets/table.py.meta").read_text())
+    assert seeded["exit_code_by_key"] == codes and seeded["hash_by_function_name"] == {"x_bucket_for": "abc"}
+    # the keys mutmut's loader pops, and no other (it asserts that none is left)
+    assert set(seeded) == {"exit_code_by_key", "hash_by_function_name", "type_check_error_by_key",
+                           "durations_by_key", "estimated_durations_by_key"}
+
+
+@pytest.mark.parametrize("module, entry", [
+    ("../outside.py", {"hash_by_function_name": {}, "exit_code_by_mutant": {}}),
+    ("/etc/x.py", {"hash_by_function_name": {}, "exit_code_by_mutant": {}}),
+    ("ttftc/../../x.py", {"hash_by_function_name": {}, "exit_code_by_mutant": {}}),
+    ("ttftc/buckets/table.txt", {"hash_by_function_name": {}, "exit_code_by_mutant": {}}),
+    ("ttftc/buckets/table.py", {"hash_by_function_name": {}, "exit_code_by_mutant": {"m": "os.system"}}),
+    ("ttftc/buckets/table.py", {"hash_by_function_name": {"f": 1}, "exit_code_by_mutant": {}}),
+    ("ttftc/buckets/table.py", {"hash_by_function_name": {}, "exit_code_by_mutant": {}, "extra": 1}),
+    ("ttftc/buckets/table.py", []),
+])
+def test_a_malformed_ledger_is_refused_naming_the_entry_and_the_fix(tmp_path, monkeypatch, module, entry):
+    script = _script()
+    monkeypatch.setattr(script, "LEDGER_DIR", tmp_path)
+    (tmp_path / "g.json").write_text(json.dumps({module: entry}))
+    with pytest.raises(SystemExit, match=r"malformed; delete it"):
+        script.seed_from_ledger("g", tmp_path / "mutants")
+    assert not (tmp_path / "mutants").exists()
+
+
+def test_a_ledger_that_is_not_json_is_refused(tmp_path, monkeypatch):
+    script = _script()
+    monkeypatch.setattr(script, "LEDGER_DIR", tmp_path)
+    (tmp_path / "g.json").write_text('{"ttftc/a.py": ')
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        script.load_ledger("g")

@@ -216,6 +216,9 @@ def test_padding_proven_safe(mix, evidence):
         (lambda x: torch.gather(x, 1, torch.zeros_like(x, dtype=torch.long)), "picks positions along the sequence"),
         (lambda x: x.index_select(1, _reversed(x.shape[1])), "picks positions along the sequence axis"),
         (lambda x: torch.cat([x, 2 * x], dim=1)[:, : x.shape[1]], "concatenates along the sequence axis"),
+        # a fixed-length piece (a learned prefix) is not an empty one: the positions still move
+        (lambda x: torch.cat([torch.ones(x.shape[0], 4, 16), x], dim=1)[:, : x.shape[1]],
+         "concatenates along the sequence axis"),
         (lambda x: F.embedding(_reversed(x.shape[1]), x[0])[None], "embedding table indexed by position"),
         (_sdpa_with(lambda n: torch.ones(n, n, dtype=torch.bool).triu()), "lets a query see later keys"),
         (_sdpa_with(lambda n: torch.ones(n, 1, dtype=torch.bool)), "is not a [query, key] mask"),
@@ -264,6 +267,7 @@ def test_padding_proven_safe(mix, evidence):
     ],
     ids=["bidirectional", "anti-causal-mask", "sequence-mean", "sequence-norm", "last-position", "pooling",
          "data-dependent-sdpa-mask", "data-dependent-softmax-mask", "index", "gather", "index-select", "cat",
+         "cat-fixed-prefix",
          "embedding-by-position", "sdpa-upper-mask", "sdpa-1d-mask", "causal-and-mask", "unmasked-softmax",
          "mask-fill-not-hidden", "scores-scaled-by-data", "sequence-matmul", "full-sum", "sequence-sum",
          "sequence-amax", "shifted-slice", "strided-slice", "first-position", "sequence-split",

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from ttftc.buckets.constants import ConstantPool, _fingerprint
-from ttftc.buckets.program import GraphSignature, output_names
+from ttftc.buckets.program import GraphProgram, GraphSignature, output_names
 
 _FIELDS = "a graph signature has exactly the fields bucket, batch, logits, kv; got "
 
@@ -44,9 +44,25 @@ def test_a_dict_from_a_file_is_checked_field_by_field(data, message):
 def test_outputs_are_the_logits_then_keys_and_values_per_layer():
     assert output_names(1) == ("logits",)
     assert output_names(5) == ("logits", "k0", "v0", "k1", "v1")
-    for count in (0, 2):
+    for count in (-1, 0, 2, 4):
         with pytest.raises(ValueError, match=f"logits plus key/value pairs; got {count} outputs"):
             output_names(count)
+
+
+def test_a_program_feeds_its_graph_the_named_inputs_in_order_and_names_its_outputs():
+    graph = fx.Graph()
+    ids, positions = graph.placeholder("ids"), graph.placeholder("positions")
+    graph.output((graph.call_function(torch.sub, (ids, positions)), graph.call_function(torch.mul, (ids, positions)),
+                  positions))
+    signature = GraphSignature(8, batch=2)
+    program = GraphProgram(signature, fx.GraphModule(torch.nn.Module(), graph), ["input_ids", "position_ids"],
+                           iter(["logits", "k0", "v0"]))
+    assert program.signature is signature and program.inputs == ("input_ids", "position_ids")
+    assert program.outputs == ("logits", "k0", "v0")  # kept as a tuple, even from a one-pass iterator
+    a, b = torch.tensor([5.0, 7.0]), torch.tensor([1.0, 2.0])
+    out = program({"position_ids": b, "input_ids": a, "last_index": torch.tensor([0])})  # by name; extras unused
+    assert list(out) == ["logits", "k0", "v0"]
+    assert torch.equal(out["logits"], a - b) and torch.equal(out["k0"], a * b) and out["v0"] is b
 
 
 def test_the_pool_keeps_one_tensor_per_layout_and_content():

@@ -72,6 +72,26 @@ def test_the_default_kernel_is_the_fastest_measured_for_each_dtype(monkeypatch):
     assert cpu_attention.fastest_kernel(torch.bfloat16) == "gemm_blocks"
 
 
+def test_a_kernel_is_timed_on_a_causal_prefill_problem_as_the_best_of_its_repeats(monkeypatch):
+    calls, clock = [], iter([0.0, 5.0, 10.0, 12.0, 20.0, 24.0])  # the three timed runs take 5, 2 and 4 s
+
+    def attend(q, k, v, kv_len, **kwargs):
+        calls.append(((q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, kv_len), kwargs))
+
+    monkeypatch.setattr(cpu_attention, "_attend", attend)
+    monkeypatch.setattr(cpu_attention.time, "perf_counter", lambda: next(clock))
+    assert cpu_attention._kernel_seconds("gemm_blocks", torch.bfloat16) == 2.0
+    assert len(calls) == 4  # a warm-up run, then the three timed ones
+    shape = torch.Size([1, 8, 512, 64])  # 8 heads x 512 tokens x 64, in the lowering's [B, H, S, D] layout
+    expected_tuning = {**cpu_attention.DEFAULT_TUNING, "kernel": "gemm_blocks"}
+    for args, kwargs in calls:
+        assert args == (shape, shape, shape, torch.bfloat16, torch.bfloat16, torch.bfloat16, None)
+        assert kwargs == dict(causal=True, scale=0.125, q_offset=0, window=0, tuning=expected_tuning)
+    clock = iter([1.0, 4.0])
+    monkeypatch.setattr(cpu_attention.time, "perf_counter", lambda: next(clock))
+    assert cpu_attention._kernel_seconds("flash", torch.float32, repeats=1) == 3.0
+
+
 def test_offset_window_and_kv_len_cases_never_take_gemm_blocks(monkeypatch):
     monkeypatch.setattr(cpu_attention, "_causal_gemm_blocks", lambda *a: pytest.fail("gemm_blocks on a masked case"))
     tuning = {"kernel": "gemm_blocks"}

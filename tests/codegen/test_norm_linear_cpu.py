@@ -152,8 +152,21 @@ def test_norm_capability_reasons():
     assert entry.unsupported_reason(CPU, x.bfloat16(), norm_w, kind="rms", eps=1e-5) is None  # rms: fp32 weight ok
     assert "residual shape or dtype" in entry.unsupported_reason(CPU, x, norm_w, norm_b, res[:1], **ok)
     assert "residual shape or dtype" in entry.unsupported_reason(CPU, x, norm_w, norm_b, res.half(), **ok)
+    assert "norm bias shape (7,) does not match hidden size" in entry.unsupported_reason(CPU, x, norm_w, norm_b[:7],
+                                                                                           **ok)
+    assert "norm bias shape" in entry.unsupported_reason(CPU, x, norm_w, norm_b[None], **ok)
+    for eps in (None, -1e-5, float("nan"), float("inf"), True, "1e-5"):
+        assert "is not a finite non-negative number" in entry.unsupported_reason(CPU, x, norm_w, kind="rms", eps=eps)
+    assert entry.unsupported_reason(CPU, x, norm_w, kind="rms", eps=0) is None
     (fused,) = [e for e in lowerings_for("norm_linear") if e.provider == "cpu"]
     _, _, _, _, w, _ = _inputs(torch.bfloat16, "rms")
     assert "GEMM would mix dtypes" in fused.unsupported_reason(CPU, x.bfloat16(), norm_w, None, w, kind="rms",
                                                                eps=1e-6)
     assert "weight dtype" in fused.unsupported_reason(CPU, x, norm_w, None, w, kind="rms", eps=1e-6)
+    # the norm's own checks, reached through the fused lowering with every argument in its place
+    _, _, _, _, w, _ = _inputs(torch.float32, "layer")
+    assert fused.unsupported_reason(CPU, x, norm_w, norm_b, w, None, res, **ok) is None
+    assert "residual shape or dtype" in fused.unsupported_reason(CPU, x, norm_w, norm_b, w, None, res[:1], **ok)
+    assert "norm bias shape" in fused.unsupported_reason(CPU, x, norm_w, norm_b[:7], w, None, res, **ok)
+    assert "not a finite non-negative number" in fused.unsupported_reason(CPU, x, norm_w, norm_b, w, kind="layer",
+                                                                          eps=-1.0)

@@ -72,7 +72,7 @@ class GraphProgram:
 
 def output_names(count: int) -> tuple[str, ...]:
     """logits, then keys and values per layer: k0, v0, k1, v1, ..."""
-    if count < 1 or (count - 1) % 2:
+    if count < 1 or count % 2 == 0:
         raise ValueError(f"a prefill graph returns logits plus key/value pairs; got {count} outputs")
     names = ["logits"]
     for layer in range((count - 1) // 2):

@@ -73,8 +73,13 @@ def norm_reason(ctx, x, norm_w, norm_b=None, residual=None, *, kind, eps) -> str
         return f"dtype {x.dtype} not supported by the cpu norm path"
     if norm_w.dim() != 1 or norm_w.shape[0] != x.shape[-1]:
         return f"norm weight shape {tuple(norm_w.shape)} does not match hidden size {x.shape[-1]}"
+    if norm_b is not None and (norm_b.dim() != 1 or norm_b.shape[0] != x.shape[-1]):
+        return f"norm bias shape {tuple(norm_b.shape)} does not match hidden size {x.shape[-1]}"
     if kind == "layer" and norm_w.dtype != x.dtype:
         return f"layer norm weight dtype {norm_w.dtype} differs from input dtype {x.dtype}"
+    # the native kernel takes eps as a C float: anything else would fail or be converted there, after the choice
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        return f"eps {eps!r} is not a finite non-negative number"
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return "residual shape or dtype differs from the input"
     return None
