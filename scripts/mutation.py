@@ -4,6 +4,7 @@
     python3 scripts/mutation.py scheduler buckets-plan   # some groups
     python3 scripts/mutation.py --list               # the groups, their modules and test files
     python3 scripts/mutation.py --report             # the score table of the runs so far, without running
+    python3 scripts/mutation.py --save cpu-kernels   # write a run's results so far to scripts/mutation_results/
     python3 scripts/mutation.py --retest-survivors scheduler   # after adding tests: retry the survivors only
     python3 scripts/mutation.py --retest-timeouts scheduler    # retry timeouts (a paused machine causes some)
 
@@ -367,6 +368,8 @@ def main(argv=None) -> int:
     parser.add_argument("groups", nargs="*", metavar="GROUP", help=f"one of {', '.join(GROUPS)} (default: all)")
     parser.add_argument("--list", action="store_true", help="print the groups and exit")
     parser.add_argument("--report", action="store_true", help="print the scores of earlier runs and exit")
+    parser.add_argument("--save", action="store_true",
+                        help="write the scratch copies' results (a running one's too) to the committed files and exit")
     parser.add_argument("--fresh", action="store_true",
                         help="drop earlier results of these groups first (the scratch copy's and the committed ones)")
     parser.add_argument("--retest-survivors", action="store_true",
@@ -383,6 +386,11 @@ def main(argv=None) -> int:
     if args.list:
         for name in names:
             print(f"{name}: {' '.join(GROUPS[name].modules)}\n    tests: {' '.join(GROUPS[name].tests)}")
+        return 0
+    if args.save:
+        for name in names:
+            saved = save_ledger(name)
+            print(f"{name}: " + (f"saved in {saved.relative_to(REPO)}" if saved else "no results to save"))
         return 0
     if not args.report:
         jobs = int(os.environ.get("TTFTC_MUTATION_JOBS", "1"))
