@@ -87,6 +87,11 @@ def _causal_visible(n):
     return torch.arange(n)[None, :] <= torch.arange(n)[:, None]
 
 
+def _window_visible(n):
+    """A sliding window on its own: hides the keys more than 2 back, but not the later ones (so not causal)."""
+    return torch.arange(n)[None, :] > torch.arange(n)[:, None] - 3
+
+
 def _sdpa_with(mask_of_length):
     def mix(x):
         q = _heads(x)
@@ -185,13 +190,30 @@ def _plan(mix):
          "softmax over causally masked"),
         (_softmax_of(lambda s, n: torch.zeros(n, n).masked_fill(~_causal_visible(n), float("-inf")) + s),
          "softmax over causally masked"),  # the mask as the first operand
+        # a [batch, head, query, key] mask, as HF builds them: the query x key test reads the last two axes
+        (_sdpa_with(lambda n: _causal_visible(n)[None, None]), "1x SDPA with a causal mask (evaluated)"),
+        (lambda x: x[:, -32:], None),  # counts back exactly the largest bucket: keeps every position
+        # a mask whose subgraph reaches one node twice (here the causal mask itself, by two paths)
+        (_sdpa_with(lambda n: (lambda v: v & (v | v.T))(_causal_visible(n))), "SDPA with a causal mask"),
+        # a sliding window applied over the causal mask: not causal on its own, so the walk goes on to the
+        # causal mask under it (once for each way a mask is applied)
+        (_softmax_of(lambda s, n: torch.where(_window_visible(n), s.masked_fill(~_causal_visible(n), float("-inf")),
+                                              float("-inf"))), "softmax over causally masked"),
+        (_softmax_of(lambda s, n: torch.where(~_window_visible(n), torch.tensor(float("-inf")),
+                                              s.masked_fill(~_causal_visible(n), float("-inf")))),
+         "softmax over causally masked"),
+        (_softmax_of(lambda s, n: s.masked_fill(~_causal_visible(n), float("-inf")).masked_fill(
+            ~_window_visible(n), float("-inf"))), "softmax over causally masked"),
     ],
     ids=["causal-sdpa", "causal-mask", "hidden-norm", "prefix-sum", "sdpa-bool-mask", "sdpa-additive-mask",
          "eager-where", "eager-where-hidden-first", "eager-additive", "eager-scaled-after-mask", "eager-dropout-views",
          "hidden-reductions", "hidden-softmax", "hidden-split-cat", "empty-cat", "full-slices", "hidden-slice",
          "hidden-index-select", "batch-unbind", "hidden-sort", "hidden-topk", "fixed-memory", "ttftc-attention", "additive-mask-at-threshold",
          "eager-fill-at-threshold", "eager-where-tensor-at-threshold", "eager-fill-grows-with-length",
-         "eager-mask-then-bias", "eager-mask-first"],
+         "eager-mask-then-bias", "eager-mask-first", "sdpa-4d-mask", "slice-back-the-largest-bucket",
+         "sdpa-mask-reaching-a-node-twice",
+         "eager-window-where-over-causal", "eager-window-where-hidden-first-over-causal",
+         "eager-window-fill-over-causal"],
 )
 def test_padding_proven_safe(mix, evidence):
     plan = _plan(mix)
@@ -204,7 +226,8 @@ def test_padding_proven_safe(mix, evidence):
 @pytest.mark.parametrize(
     "mix, reason",
     [
-        (_bidirectional_sdpa, "bidirectional attention"),
+        (_bidirectional_sdpa,
+         "bidirectional attention (aten._scaled_dot_product_flash_attention_for_cpu with is_causal=False and no mask)"),
         (lambda x: _masked_softmax(x, causal=False), "lets a query see later keys"),
         (lambda x: x - x.mean(dim=1, keepdim=True), "reduces across the sequence axis"),
         (lambda x: F.layer_norm(x.transpose(1, 2), (x.shape[1],)).transpose(1, 2), "normalises across the sequence"),
@@ -264,6 +287,19 @@ def test_padding_proven_safe(mix, evidence):
         # scores from positions alone, not causal: the reason names the mask
         (lambda x: _eager_attention(x, scores_to_probs=lambda s, n: torch.softmax(torch.zeros(n, n) + 1.0, dim=-1)),
          "without a proven causal mask (the mask zeros lets a query see later keys"),
+        # torch.where's condition is checked, whichever operand holds the scores: here it shows the later keys
+        (_softmax_of(lambda s, n: torch.where(_causal_visible(n).T, s, float("-inf"))),
+         "without a proven causal mask (the mask permute lets a query see later keys (checked at length 5))"),
+        (_softmax_of(lambda s, n: torch.where(_causal_visible(n), torch.tensor(float("-inf")), s)),
+         "lets a query see later keys (checked at length 5)"),  # hides the earlier keys, shows the later ones
+        # reductions whose dim is None or empty reduce every axis, the sequence axis too
+        (lambda x: x - x.var(), "var: aten.var reduces across the sequence axis"),
+        (lambda x: x[:, :-1], "slices the sequence axis (0:-1:1)"),  # an end counted from the back moves with padding
+        (lambda x: x - x.sum(dim=[]), "aten.sum reduces across the sequence axis"),
+        (lambda x: x - x[0, :, 0].sum(-1), "aten.sum reduces across the sequence axis"),  # a 1-D sequence
+        # smoothing the probabilities with a uniform term reads every later value: no longer causal
+        (lambda x: _eager_attention(x, scores_to_probs=_softmax_where, probs_path=lambda p: p + 1.0 / p.shape[-1]),
+         "bmm_1: aten.bmm sums over the sequence axis outside a causal attention"),
     ],
     ids=["bidirectional", "anti-causal-mask", "sequence-mean", "sequence-norm", "last-position", "pooling",
          "data-dependent-sdpa-mask", "data-dependent-softmax-mask", "index", "gather", "index-select", "cat",
@@ -274,7 +310,8 @@ def test_padding_proven_safe(mix, evidence):
          "sequence-split-with-sizes", "sequence-sort", "ttftc-bidirectional",
          "mask-sees-next-key", "mask-not-evaluable", "key-only-mask", "where-fill-not-hidden", "where-fill-not-one-value",
          "where-fill-from-data", "where-fill-zero-at-first-probe", "where-fill-not-evaluable", "scores-plus-constant",
-         "scores-plus-zeros", "positions-only-scores"],
+         "scores-plus-zeros", "positions-only-scores", "where-shows-later-keys", "where-hidden-first-shows-later-keys",
+         "full-var", "drop-last-position", "empty-dims-sum", "one-dimensional-sum", "smoothed-probabilities"],
 )
 def test_padding_refused_with_reason(mix, reason):
     plan = _plan(mix)
@@ -414,7 +451,8 @@ def test_example_inputs_are_a_prompt_of_the_signature_on_the_device():
 def test_a_graph_without_a_sequence_symbol_is_refused():
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     plan = plan_from_graph(gm, set(), (16,))
-    assert not plan.safe and "sequence length was specialised" in plan.reason
+    assert not plan.safe
+    assert plan.reason == "the sequence length was specialised during tracing, so the sequence axis is unknown"
 
 
 def _size_placeholder(graph: fx.Graph, shape_env: ShapeEnv, name: str, traced: int) -> fx.Node:
@@ -454,3 +492,28 @@ def test_a_node_whose_arguments_do_not_bind_refuses_the_plan(monkeypatch):
     plan = _plan(lambda x: x[:, 0:] * 2)
     assert not plan.safe
     assert plan.reason.endswith(": its arguments do not bind to the schema of aten.slice")
+
+
+def test_probabilities_through_dropout_are_still_recognised_as_causal():
+    # native_dropout returns (output, mask): the GEMM reads the probabilities through a getitem. The dropout node
+    # itself is not proven per-position (a limitation: inference graphs have no dropout), but the GEMM is proven.
+    plan = _plan(lambda x: _eager_attention(x, scores_to_probs=_softmax_where,
+                                            probs_path=lambda p: F.dropout(p, 0.1, training=True)))
+    assert not plan.safe
+    assert plan.reason == ("native_dropout: cannot prove aten.native_dropout keeps sequence positions independent")
+    assert "1x probabilities @ V over causal probabilities" in plan.evidence
+
+
+def test_a_gemm_over_the_sequence_axis_of_a_graph_input_is_refused():
+    # The left operand leads, through a cast and views only, to the token ids themselves: no softmax at all.
+    model = _Returns(lambda ids, positions, weight: (ids.float().unsqueeze(1) @ torch.ones(ids.shape[1], 4)) * weight)
+    plan = analyse_padding(model, BUCKETS, CPU)
+    assert not plan.safe
+    assert plan.reason == "mm: aten.mm sums over the sequence axis outside a causal attention"
+
+
+def test_an_sdpa_whose_arguments_cannot_be_read_refuses_the_plan(monkeypatch):
+    monkeypatch.setattr(plan_module, "normalize_function", lambda *args, **kwargs: None)
+    plan = _plan(_causal_sdpa)
+    assert not plan.safe
+    assert plan.reason.endswith(": could not read the arguments of aten._scaled_dot_product_flash_attention_for_cpu")

@@ -148,6 +148,14 @@ def test_row_kernels_refuse_what_they_cannot_read():
         _native.norm_quant(torch.randn(2, 8), torch.ones(8), None, torch.randn(2, 9), layer=False, eps=1e-5)
 
 
+def test_gated_act_refuses_an_odd_width_and_of_no_rows_or_columns_is_empty(native_isa):
+    with pytest.raises(ValueError) as refused:
+        _native.gated_act(torch.zeros(2, 5), "silu")
+    assert str(refused.value) == "gated_act: an odd gate|up width"
+    assert _native.gated_act(torch.zeros(0, 8), "silu").shape == (0, 4)
+    assert _native.gated_act(torch.zeros(3, 0), "silu").shape == (3, 0)
+
+
 def _gated_quant_refusal(acc, x_scale, w_scale, bias=None, act="silu") -> str:
     with pytest.raises(ValueError) as refused:
         _native.gated_quant(acc, x_scale, w_scale, bias, act)

@@ -201,7 +201,7 @@ class PaddingAnalysis:
         """True if the node's value depends on a tensor input (token ids, weights), not just on sizes."""
         if node in self._data_dependent:
             return self._data_dependent[node]
-        stack, order = [node], []
+        stack = [node]
         while stack:  # iterative: graphs are deep enough to overflow recursion
             n = stack.pop()
             if n in self._data_dependent:
@@ -216,7 +216,6 @@ class PaddingAnalysis:
             else:
                 result = any(self._data_dependent[a] for a in n.all_input_nodes)
             self._data_dependent[n] = result
-            order.append(n)
         return self._data_dependent[node]
 
     # -- mask evaluation -------------------------------------------------------------------------------
