@@ -196,8 +196,8 @@ def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool, minutes
     env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
     # mutmut keeps a result until the mutated function changes; after new tests, name the survivors to retry them
     # (with the mutants that no test reached: the new tests may reach them). A timeout can be the machine's doing:
-    # besides its CPU-time limit, mutmut stops a mutant after (estimated time + 2 s) x timeout_multiplier of wall
-    # time, which a paused or starved run exceeds; --retest-timeouts runs those again.
+    # besides its CPU-time limit, mutmut stops a mutant after (estimated time + timeout_constant) x
+    # timeout_multiplier of wall time, which a paused or starved run exceeds; --retest-timeouts runs those again.
     retry = ({"survived", "no tests"} if retest_survivors else set()) | ({"timeout"} if retest_timeouts else set())
     again = [m for statuses in results(name).values() for m, s in statuses.items() if s in retry]
     print(f"== {name}: mutmut in {root}" + (f", retrying {len(again)} mutants ({', '.join(sorted(retry))})"

@@ -448,9 +448,20 @@ def test_example_inputs_are_a_prompt_of_the_signature_on_the_device():
     assert {name: t.device for name, t in on_meta.items()} == dict.fromkeys(cpu, meta)
 
 
+def test_an_attention_problem_is_reported_first_whatever_its_place_in_the_graph():
+    # the sequence mean comes first in the graph, the bidirectional attention after it: the reason leads with the
+    # attention (the model's nature, not a detail), for ATen's SDPA and for ttftc.attention alike
+    for attend, lead in ((lambda x: _ttftc_attention(x, causal=False), "ttftc.attention with causal=False"),
+                         (_bidirectional_sdpa, "bidirectional attention")):
+        plan = _plan(lambda x: attend(x - x.mean(dim=1, keepdim=True)))
+        assert not plan.safe
+        assert lead in plan.reason.split(";")[0] and plan.reason.endswith("(+1 more)"), plan.reason
+
+
 def test_a_graph_without_a_sequence_symbol_is_refused():
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    plan = plan_from_graph(gm, set(), (16,))
+    plan = plan_from_graph(gm, set(), (16,), notes=("traced with 2 layers",))
+    assert plan.notes == ("traced with 2 layers",)
     assert not plan.safe
     assert plan.reason == "the sequence length was specialised during tracing, so the sequence axis is unknown"
 

@@ -17,6 +17,7 @@ def test_a_signature_round_trips_through_its_dict_and_names_itself():
     assert signature.to_dict() == {"bucket": 32, "batch": 4, "logits": "last", "kv": False}
     assert GraphSignature.from_dict(signature.to_dict()) == signature
     assert signature.name == "b32_n4_last_nokv" and GraphSignature(16).name == "b16_n1_all_kv"
+    assert GraphSignature(1).name == "b1_n1_all_kv"  # the smallest bucket and batch
 
 
 def _signature(**fields):
