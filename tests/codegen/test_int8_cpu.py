@@ -239,6 +239,9 @@ def test_every_capability_refusal_names_its_reason(monkeypatch):
     norm_w = torch.ones(64)
     assert cpu._norm_quant_reason(CPU, x, norm_w, kind="rms", eps=1e-6) is None
     assert "hidden size" in cpu._norm_quant_reason(CPU, x, norm_w[:8], kind="rms", eps=1e-6)
+    # the norm's own checks of its bias and eps, reached with each argument in its place
+    assert "norm bias shape (8,)" in cpu._norm_quant_reason(CPU, x, norm_w, torch.zeros(8), kind="layer", eps=1e-6)
+    assert "finite non-negative" in cpu._norm_quant_reason(CPU, x, norm_w, kind="rms", eps=float("nan"))
     assert "cannot be quantised" in cpu._norm_quant_reason(CPU, x.int(), norm_w, kind="rms", eps=1e-6)
     w_gu, s_gu = _weights(16, 64)
     w_d, s_d = _weights(64, 8)
