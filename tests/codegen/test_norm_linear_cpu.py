@@ -11,7 +11,7 @@ import torch
 from tests.codegen.conftest import switch_native
 from tests.helpers import TOLERANCES
 from ttftc.codegen.cpu import norm as cpu_norm
-from ttftc.codegen.cpu.norm import norm_cpu
+from ttftc.codegen.cpu.norm import native_norm_fits, norm_cpu
 from ttftc.codegen.cpu.norm_linear import norm_linear_cpu
 from ttftc.codegen.lowering import LoweringContext, lowerings_for
 
@@ -138,6 +138,13 @@ def test_fp32_rms_norm_with_a_bf16_weight_applies_it_in_fp32_without_a_warning()
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_native_layer_norm_takes_only_a_bias_of_the_input_dtype():
+    x, _, norm_w, norm_b, _, _ = _inputs(torch.bfloat16, "layer")
+    assert native_norm_fits(x, norm_w, norm_b, "layer") == (cpu_norm._native.rows_reason(x) is None)  # per glue
+    assert not native_norm_fits(x, norm_w, norm_b.float(), "layer")
+    assert not native_norm_fits(x, norm_w, None, "layer")
+
+
 def test_norm_capability_reasons():
     (entry,) = [e for e in lowerings_for("norm") if e.provider == "cpu"]
     x, res, norm_w, norm_b, _, _ = _inputs(torch.float32, "layer")
@@ -147,7 +154,8 @@ def test_norm_capability_reasons():
     assert "norm kind 'batch'" in entry.unsupported_reason(CPU, x, norm_w, kind="batch", eps=1e-5)
     assert "tensors on cuda" in entry.unsupported_reason(LoweringContext("cuda", None), x, norm_w, **ok)
     assert "int32 not supported" in entry.unsupported_reason(CPU, x.int(), norm_w, **ok)
-    assert "does not match hidden size" in entry.unsupported_reason(CPU, x, norm_w[None], **ok)
+    assert entry.unsupported_reason(CPU, x, norm_w[None], **ok) == (
+        "norm weight shape (1, 48) does not match hidden size 48")  # x is [2, 5, 48]: the size is the last axis's
     assert "layer norm weight dtype" in entry.unsupported_reason(CPU, x, norm_w.half(), **ok)
     assert entry.unsupported_reason(CPU, x.bfloat16(), norm_w, kind="rms", eps=1e-5) is None  # rms: fp32 weight ok
     assert "residual shape or dtype" in entry.unsupported_reason(CPU, x, norm_w, norm_b, res[:1], **ok)

@@ -148,6 +148,18 @@ def test_row_kernels_refuse_what_they_cannot_read():
         _native.norm_quant(torch.randn(2, 8), torch.ones(8), None, torch.randn(2, 9), layer=False, eps=1e-5)
 
 
+def test_without_the_extension_the_row_kernels_say_why(monkeypatch):
+    monkeypatch.setattr(_native, "unavailable_reason", lambda: "the native kernels are not built")
+    assert _native.rows_reason(torch.zeros(2, 4)) == "the native kernels are not built"
+
+
+def test_rows_are_ready_when_unit_stride_or_empty():
+    assert _native._rows_ready(torch.zeros(2, 4), torch.zeros(3, 8)[:, :4])
+    assert _native._rows_ready(torch.empty(0, 4).t())  # no element to read, whatever the strides
+    assert not _native._rows_ready(torch.zeros(2, 2)[:1, ::2])  # one element, but a row stride of 2
+    assert not _native._rows_ready(torch.zeros(2, 4), torch.zeros(4, 2).t())
+
+
 def test_gated_act_refuses_an_odd_width_and_of_no_rows_or_columns_is_empty(native_isa):
     with pytest.raises(ValueError) as refused:
         _native.gated_act(torch.zeros(2, 5), "silu")
