@@ -261,3 +261,78 @@ def test_dequant_of_no_columns_or_no_rows_is_empty():
 def test_gated_quant_of_zero_width_gives_the_floor_scale():
     q, scale = _native.gated_quant(torch.zeros(3, 0, dtype=torch.int32), torch.ones(3), torch.ones(0), None, "silu")
     assert q.shape == (3, 0) and torch.equal(scale, torch.full((3,), 1e-8 / 127.0))
+
+
+def _refusal(call) -> str:
+    if _native.unavailable_reason() is not None:
+        pytest.skip(_native.unavailable_reason())
+    with pytest.raises(ValueError) as refused:
+        call()
+    return str(refused.value)
+
+
+_K = 8
+_X, _W, _B = torch.zeros(2, _K), torch.ones(_K), torch.zeros(_K)
+_STRIDED = torch.zeros(_K, 2)[:, 0]  # [K] with a stride of 2
+_LAYER_NEEDS = "norm: LayerNorm needs weight and bias of x's dtype"
+
+
+# each case breaks one condition of one check, so a check whose and/or is flipped lets it through
+@pytest.mark.parametrize("args, layer, message", [
+    ((_X.half(), _W.half(), None, None), False, "norm: the native row kernels read fp32 or bf16, not torch.float16"),
+    ((torch.zeros(_K, 2).t(), _W, None, None), False, "norm: shapes"),  # x not contiguous
+    ((_X, _STRIDED, None, None), False, "norm: shapes"),  # weight not contiguous
+    ((_X, torch.ones(_K // 2), None, None), False, "norm: shapes"),
+    ((_X, _W.half(), None, None), False, "norm: weight dtype torch.float16"),
+    ((_X, _W, None, None), True, _LAYER_NEEDS),
+    ((_X, _W, _STRIDED, None), True, _LAYER_NEEDS),
+    ((_X, _W, torch.zeros(_K // 2), None), True, _LAYER_NEEDS),
+    ((_X, _W, _B.bfloat16(), None), True, _LAYER_NEEDS),
+    ((_X.bfloat16(), _W, _B, None), True, _LAYER_NEEDS),  # fp32 weight and bias for bf16 x: RMSNorm only
+    ((_X, _W, None, torch.zeros(2, _K + 1)), False, "norm: the residual must match x"),
+    ((_X, _W, None, torch.zeros(2, _K).bfloat16()), False, "norm: the residual must match x"),
+    ((_X, _W, None, torch.zeros(_K, 2).t()), False, "norm: the residual must match x"),
+], ids=["x-dtype", "x-strided", "weight-strided", "weight-shape", "weight-dtype", "layer-no-bias", "layer-bias-strided",
+        "layer-bias-shape", "layer-bias-dtype", "layer-weight-not-x-dtype", "residual-shape", "residual-dtype",
+        "residual-strided"])
+def test_the_native_norm_refuses_each_malformed_operand_by_name(args, layer, message):
+    assert _refusal(lambda: _native.norm(*args, layer=layer, eps=1e-5)) == message
+    assert _refusal(lambda: _native.norm_quant(*args, layer=layer, eps=1e-5)) == message
+
+
+_XR = torch.zeros(1, 2, 3, 4)
+_TABLE = torch.zeros(1, 1, 3, 4)
+_ROPE_STRIDE = "rope: x, cos, sin and out need a unit stride along the head dimension"
+
+
+@pytest.mark.parametrize("x, cos, sin, out, message", [
+    (_XR.half(), _TABLE.half(), _TABLE.half(), _XR.half(), "rope: the native row kernels read fp32 or bf16, not "
+                                                           "torch.float16"),
+    (_XR[0], _TABLE[0], _TABLE[0], _XR[0], "rope: x must be [B, H, S, D] with an even D, got (2, 3, 4)"),
+    (torch.zeros(1, 2, 3, 5), torch.zeros(1, 1, 3, 5), torch.zeros(1, 1, 3, 5), torch.zeros(1, 2, 3, 5),
+     "rope: x must be [B, H, S, D] with an even D, got (1, 2, 3, 5)"),
+    (_XR, _TABLE.double(), _TABLE.double(), _XR, "rope: cos and sin must match x"),
+    (_XR, _TABLE, _TABLE.double(), _XR, "rope: cos and sin must match x"),
+    (_XR, _TABLE, _TABLE, _XR[:, :1], "rope: out must match x"),
+    (_XR, _TABLE, _TABLE, _XR.bfloat16(), "rope: out must match x"),
+    (torch.zeros(1, 2, 4, 3).transpose(-1, -2), _TABLE, _TABLE, _XR, _ROPE_STRIDE),
+    (_XR, torch.zeros(1, 1, 4, 3).transpose(-1, -2), _TABLE, _XR, _ROPE_STRIDE),
+    (_XR, _TABLE, torch.zeros(1, 1, 4, 3).transpose(-1, -2), _XR, _ROPE_STRIDE),
+    (_XR, _TABLE, _TABLE, torch.zeros(1, 2, 4, 3).transpose(-1, -2), _ROPE_STRIDE),
+], ids=["x-dtype", "x-3d", "odd-d", "tables-dtype", "sin-dtype", "out-shape", "out-dtype", "x-strided",
+        "cos-strided", "sin-strided", "out-strided"])
+def test_the_native_rope_refuses_each_malformed_operand_by_name(x, cos, sin, out, message):
+    assert _refusal(lambda: _native.rope(x, cos, sin, out)) == message
+
+
+def test_norm_quant_scales_are_fp32_whatever_the_default_dtype():
+    if _native.unavailable_reason() is not None:
+        pytest.skip(_native.unavailable_reason())
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, scale, _ = _native.norm_quant(torch.randn(2, 8, dtype=torch.float32), torch.ones(8, dtype=torch.float32),
+                                         None, None, layer=False, eps=1e-5)
+    finally:
+        torch.set_default_dtype(previous)
+    assert scale.dtype == torch.float32
