@@ -220,24 +220,27 @@ def ledger_path(name: str) -> Path:
 
 def save_ledger(name: str) -> Optional[Path]:
     """Write the group's mutmut results (per module: function hashes, exit code per mutant) into the checkout."""
-    mutants = workdir(name) / "mutants"
-    modules = {}
-    for meta in sorted(mutants.rglob("*.py.meta")):
-        data = json.loads(meta.read_text())
-        if data["exit_code_by_key"]:
-            module = str(meta.relative_to(mutants))[: -len(".meta")]
-            prefix = _module_prefix(module)
-            modules[module] = {
-                "hash_by_function_name": data["hash_by_function_name"],
-                "exit_code_by_mutant": {key.removeprefix(prefix): code
-                                        for key, code in data["exit_code_by_key"].items()},
-            }
+    modules = {module: {"hash_by_function_name": data["hash_by_function_name"],
+                        "exit_code_by_mutant": {key.removeprefix(_module_prefix(module)): code
+                                                for key, code in data["exit_code_by_key"].items()}}
+               for module, data in _scratch_results(name).items()}
     if not modules:
         return None
     path = ledger_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(modules, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def _scratch_results(name: str) -> dict[str, dict]:
+    """module path -> mutmut's metadata of it, for the modules with mutants, from the group's scratch copy."""
+    mutants = workdir(name) / "mutants"
+    found = {}
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        data = json.loads(meta.read_text())
+        if data["exit_code_by_key"]:
+            found[str(meta.relative_to(mutants))[: -len(".meta")]] = data
+    return found
 
 
 def _module_prefix(module: str) -> str:
@@ -307,17 +310,11 @@ def _status(exit_code) -> str:
 
 def results(name: str) -> dict[str, dict[str, str]]:
     """module path -> mutant name -> status, from the group's mutmut metadata."""
-    found: dict[str, dict[str, str]] = {}
-    mutants = workdir(name) / "mutants"
-    for meta in sorted(mutants.rglob("*.py.meta")):
-        module = str(meta.relative_to(mutants))[: -len(".meta")]
-        codes = json.loads(meta.read_text())["exit_code_by_key"]
-        if codes:
-            found[module] = {mutant: _status(code) for mutant, code in codes.items()}
-    if not found:  # no scratch copy on this machine: the committed results
-        found = {module: {mutant: _status(code) for mutant, code in entry["exit_code_by_key"].items()}
-                 for module, entry in sorted(load_ledger(name).items()) if entry["exit_code_by_key"]}
-    return found
+    # the scratch copy's results; on a machine without one, the committed results
+    modules = _scratch_results(name) or {module: entry for module, entry in sorted(load_ledger(name).items())
+                                         if entry["exit_code_by_key"]}
+    return {module: {mutant: _status(code) for mutant, code in data["exit_code_by_key"].items()}
+            for module, data in modules.items()}
 
 
 def equivalent_mutants() -> dict[str, str]:

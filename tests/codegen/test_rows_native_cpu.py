@@ -188,13 +188,25 @@ def test_gated_quant_refuses_each_malformed_operand_by_name(monkeypatch):
     assert _gated_quant_refusal(acc, x_scale, w_scale) == "gated_quant: no native build here"
 
 
-def test_gated_quant_scales_are_fp32_whatever_the_default_dtype():
-    acc = torch.tensor([[100, -50, 3, 4]], dtype=torch.int32)
-    expected_q, expected_scale = _native.gated_quant(acc, torch.tensor([0.01]), torch.ones(4), None, "relu")
+_ROWS = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+
+# Each quantiser, its inputs built inside the call (so under the default dtype of the moment, as a caller's would be).
+_QUANTISERS = {
+    "gated_quant": lambda: _native.gated_quant(torch.tensor([[100, -50, 3, 4]], dtype=torch.int32),
+                                               torch.tensor([0.01]), torch.ones(4), None, "relu"),
+    "quantize_rows": lambda: _native.quantize_rows(_ROWS),
+    "norm_quant": lambda: _native.norm_quant(_ROWS, torch.ones(16, dtype=torch.float32), None, None, layer=False,
+                                             eps=1e-5)[:2],
+}
+
+
+@pytest.mark.parametrize("quantiser", sorted(_QUANTISERS))
+def test_scales_are_fp32_whatever_the_default_dtype(quantiser):
+    expected_q, expected_scale = _QUANTISERS[quantiser]()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        q, scale = _native.gated_quant(acc, torch.tensor([0.01]), torch.ones(4), None, "relu")
+        q, scale = _QUANTISERS[quantiser]()
     finally:
         torch.set_default_dtype(previous)
     assert scale.dtype == torch.float32 and torch.equal(scale, expected_scale) and torch.equal(q, expected_q)
@@ -220,18 +232,6 @@ def test_quantize_rows_of_zero_width_get_the_floor_scale():
     # the scale of an all-zero row: amax clamped to 1e-8, over 127
     q, scale = _native.quantize_rows(torch.empty(3, 0))
     assert q.shape == (3, 0) and torch.equal(scale, torch.full((3,), 1e-8 / 127.0))
-
-
-def test_quantize_rows_scales_are_fp32_whatever_the_default_dtype():
-    x = torch.randn(3, 16)
-    expected_q, expected_scale = _native.quantize_rows(x)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        q, scale = _native.quantize_rows(x)
-    finally:
-        torch.set_default_dtype(previous)
-    assert scale.dtype == torch.float32 and torch.equal(scale, expected_scale) and torch.equal(q, expected_q)
 
 
 def _dequant_refusal(acc, x_scale, w_scale, bias=None, out_dtype=torch.float32) -> str:
@@ -323,16 +323,3 @@ _ROPE_STRIDE = "rope: x, cos, sin and out need a unit stride along the head dime
         "cos-strided", "sin-strided", "out-strided"])
 def test_the_native_rope_refuses_each_malformed_operand_by_name(x, cos, sin, out, message):
     assert _refusal(lambda: _native.rope(x, cos, sin, out)) == message
-
-
-def test_norm_quant_scales_are_fp32_whatever_the_default_dtype():
-    if _native.unavailable_reason() is not None:
-        pytest.skip(_native.unavailable_reason())
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        _, scale, _ = _native.norm_quant(torch.randn(2, 8, dtype=torch.float32), torch.ones(8, dtype=torch.float32),
-                                         None, None, layer=False, eps=1e-5)
-    finally:
-        torch.set_default_dtype(previous)
-    assert scale.dtype == torch.float32
