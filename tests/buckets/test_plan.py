@@ -12,11 +12,13 @@ from tests.helpers import needs_transformers
 from ttftc import zoo
 from ttftc.buckets.capture import PrefillAdapter, analyse_padding, example_inputs
 from ttftc.buckets.plan import BucketPlan, PaddingAnalysis, plan_from_graph, refused
+import ttftc.buckets.capture as capture_module
 import ttftc.buckets.plan as plan_module
 from ttftc.buckets.program import GraphSignature
 from ttftc.buckets.table import DEFAULT_BUCKETS, bucket_for, effective_buckets
 
 CPU = torch.device("cpu")
+aten = torch.ops.aten
 BUCKETS = (16, 32)
 
 
@@ -169,6 +171,7 @@ def _plan(mix):
         (lambda x: torch.cat(x.split(8, dim=-1)[::-1], dim=-1), None),  # split and cat along the hidden axis
         (lambda x: torch.cat([x.new_zeros(x.shape[0], 0, 16), x], dim=1), None),  # an empty piece adds no positions
         (lambda x: x[:, 0:] + x[:, -4096:], None),  # slices that keep every position up to the largest bucket
+        (lambda x: x.narrow(1, 0, x.shape[1]), None),  # ends at the traced length, a node whose value is the size
         (lambda x: x[:, :, 0:8].repeat(1, 1, 2), None),  # a hidden-axis slice
         (lambda x: x.index_select(2, torch.arange(15, -1, -1)), None),  # picks along the hidden axis
         (lambda x: sum(x.unbind())[None], None),  # unbind along its default dim 0, the batch axis
@@ -192,7 +195,6 @@ def _plan(mix):
          "softmax over causally masked"),  # the mask as the first operand
         # a [batch, head, query, key] mask, as HF builds them: the query x key test reads the last two axes
         (_sdpa_with(lambda n: _causal_visible(n)[None, None]), "1x SDPA with a causal mask (evaluated)"),
-        (lambda x: x[:, -32:], None),  # counts back exactly the largest bucket: keeps every position
         # a mask whose subgraph reaches one node twice (here the causal mask itself, by two paths)
         (_sdpa_with(lambda n: (lambda v: v & (v | v.T))(_causal_visible(n))), "SDPA with a causal mask"),
         # a sliding window applied over the causal mask: not causal on its own, so the walk goes on to the
@@ -207,10 +209,11 @@ def _plan(mix):
     ],
     ids=["causal-sdpa", "causal-mask", "hidden-norm", "prefix-sum", "sdpa-bool-mask", "sdpa-additive-mask",
          "eager-where", "eager-where-hidden-first", "eager-additive", "eager-scaled-after-mask", "eager-dropout-views",
-         "hidden-reductions", "hidden-softmax", "hidden-split-cat", "empty-cat", "full-slices", "hidden-slice",
+         "hidden-reductions", "hidden-softmax", "hidden-split-cat", "empty-cat", "full-slices", "full-narrow",
+         "hidden-slice",
          "hidden-index-select", "batch-unbind", "hidden-sort", "hidden-topk", "fixed-memory", "ttftc-attention", "additive-mask-at-threshold",
          "eager-fill-at-threshold", "eager-where-tensor-at-threshold", "eager-fill-grows-with-length",
-         "eager-mask-then-bias", "eager-mask-first", "sdpa-4d-mask", "slice-back-the-largest-bucket",
+         "eager-mask-then-bias", "eager-mask-first", "sdpa-4d-mask",
          "sdpa-mask-reaching-a-node-twice",
          "eager-window-where-over-causal", "eager-window-where-hidden-first-over-causal",
          "eager-window-fill-over-causal"],
@@ -295,8 +298,15 @@ def test_padding_proven_safe(mix, evidence):
         # reductions whose dim is None or empty reduce every axis, the sequence axis too
         (lambda x: x - x.var(), "var: aten.var reduces across the sequence axis"),
         (lambda x: x[:, :-1], "slices the sequence axis (0:-1:1)"),  # an end counted from the back moves with padding
+        # traced at length 8, x[:, :10] leaves no slice in the graph, only Dynamo's guard that the length is below 10
+        (lambda x: x[:, :10] * 2, "the trace holds only for sequence lengths in [2, 9], and bucket 16 is not"),
+        # the same at the largest bucket: traced at length 8 the guard is `s < 32`, which bucket 32 fails (the slice
+        # would keep every position there too, but the trace does not show it)
+        (lambda x: x[:, -32:], "the trace holds only for sequence lengths in [2, 31], and bucket 32 is not"),
         (lambda x: x - x.sum(dim=[]), "aten.sum reduces across the sequence axis"),
         (lambda x: x - x[0, :, 0].sum(-1), "aten.sum reduces across the sequence axis"),  # a 1-D sequence
+        # addmm's matrices are its second and third arguments (the first is the bias)
+        (lambda x: x + torch.addmm(x.new_zeros(16), x[0].t(), x[0]).sum(0), "aten.addmm sums over the sequence axis"),
         # smoothing the probabilities with a uniform term reads every later value: no longer causal
         (lambda x: _eager_attention(x, scores_to_probs=_softmax_where, probs_path=lambda p: p + 1.0 / p.shape[-1]),
          "bmm_1: aten.bmm sums over the sequence axis outside a causal attention"),
@@ -311,7 +321,8 @@ def test_padding_proven_safe(mix, evidence):
          "mask-sees-next-key", "mask-not-evaluable", "key-only-mask", "where-fill-not-hidden", "where-fill-not-one-value",
          "where-fill-from-data", "where-fill-zero-at-first-probe", "where-fill-not-evaluable", "scores-plus-constant",
          "scores-plus-zeros", "positions-only-scores", "where-shows-later-keys", "where-hidden-first-shows-later-keys",
-         "full-var", "drop-last-position", "empty-dims-sum", "one-dimensional-sum", "smoothed-probabilities"],
+         "full-var", "drop-last-position", "slice-dropped-under-a-length-guard",
+         "slice-back-the-largest-bucket", "empty-dims-sum", "one-dimensional-sum", "addmm-over-the-sequence", "smoothed-probabilities"],
 )
 def test_padding_refused_with_reason(mix, reason):
     plan = _plan(mix)
@@ -495,6 +506,73 @@ def test_a_mask_is_evaluated_at_the_probe_length_with_every_other_size_as_traced
         analysis.evaluate(read_tokens, 5)
     with pytest.raises(ValueError, match="^cannot evaluate call_module node inner$"):
         analysis.evaluate(by_module, 5)
+
+
+def _guarded_graph(guard):
+    """A graph of a symbolic sequence length (traced at 8), another size (traced at 3) and the length of the
+    positions (traced at 8), after Dynamo guarded on `guard(seq, width, positions)` (a SymBool, evaluated at the
+    traced sizes as Dynamo does)."""
+    shape_env, graph = ShapeEnv(duck_shape=False), fx.Graph()  # two sizes traced at 8 are two symbols
+    seq = _size_placeholder(graph, shape_env, "seq", 8)
+    width = _size_placeholder(graph, shape_env, "width", 3)
+    positions = _size_placeholder(graph, shape_env, "positions", 8)
+    graph.output((seq, width, positions))
+    symbols = seq.meta["val"].node.expr, width.meta["val"].node.expr  # before the guard may unify them
+    assert bool(guard(seq.meta["val"], width.meta["val"], positions.meta["val"]))
+    return fx.GraphModule(torch.nn.Module(), graph), *symbols
+
+
+_HOLDS_ONLY = "the trace holds only for sequence lengths "
+_GUARDED = " (Dynamo guarded on it), and bucket {bucket} does not"
+
+
+@pytest.mark.parametrize("guard, buckets, reason", [
+    (lambda seq, width, positions: seq > 1, (16, 32), None),
+    (lambda seq, width, positions: width < 5, (16, 32), None),  # a guard on another size only
+    (lambda seq, width, positions: seq > width, (16, 32), None),  # the other size keeps its traced value, 3
+    (lambda seq, width, positions: seq == positions, (16, 32), None),  # Dynamo unifies the two lengths
+    (lambda seq, width, positions: seq == width + 5, (16, 32), "Dynamo rewrote the sequence length as {width} + 5"),
+    (lambda seq, width, positions: seq < 10, (4, 9), None),
+    (lambda seq, width, positions: seq < 10, (4, 9, 16), _HOLDS_ONLY + "in [2, 9], and bucket 16 is not"),
+    (lambda seq, width, positions: seq > 5, (4, 9), _HOLDS_ONLY + "in [6, int_oo], and bucket 4 is not"),
+    (lambda seq, width, positions: seq % 2 == 0, (16, 32), None),
+    (lambda seq, width, positions: seq % 2 == 0, (16, 33), _HOLDS_ONLY + "where Eq(Mod({seq}, 2), 0)" + _GUARDED),
+    (lambda seq, width, positions: seq * width != 60, (16, 20), _HOLDS_ONLY + "where Ne({seq}*{width}, 60)" + _GUARDED),
+], ids=["trivial", "other-size-only", "relative-to-another-size", "unified-lengths", "length-as-an-expression",
+        "range-holds",
+        "range-excludes-a-bucket", "range-excludes-a-smaller-bucket", "parity-holds", "parity-fails", "product-fails"])
+def test_a_plan_holds_only_for_buckets_that_pass_the_traces_length_guards(guard, buckets, reason):
+    gm, seq, width = _guarded_graph(guard)  # Dynamo names the symbols (s80, s99, ...)
+    expected = reason and reason.format(seq=seq, width=width, bucket=buckets[-1])
+    assert plan_module.length_guard_reason(gm, {seq}, buckets) == expected
+
+
+def test_without_a_symbolic_length_there_is_no_length_guard_to_check():
+    graph = fx.Graph()
+    graph.placeholder("tokens").meta["val"] = torch.zeros(2, 8, dtype=torch.long)
+    graph.output(None)
+    assert plan_module.length_guard_reason(fx.GraphModule(torch.nn.Module(), graph), set(), (16,)) is None
+
+
+@pytest.mark.parametrize("mask_of_length, proven", [
+    (_causal_visible, True), (lambda n: torch.ones(n, n, dtype=torch.bool).triu(), False)])
+def test_an_sdpa_kernel_that_names_its_mask_attn_bias_is_checked_as_with_attn_mask(monkeypatch, mask_of_length, proven):
+    # The efficient and cuDNN kernels take the mask as attn_bias; this CPU traces the flash kernel, so the test
+    # retargets it to the efficient kernel, whose schema is known here, before the analysis reads the graph.
+    def as_efficient_attention(gm, seq, buckets, notes=()):
+        for node in gm.graph.find_nodes(op="call_function",
+                                        target=aten._scaled_dot_product_flash_attention_for_cpu.default):
+            node.target = aten._scaled_dot_product_efficient_attention.default
+            node.args, node.kwargs = (*node.args[:3], node.kwargs["attn_mask"], False), {}
+        return plan_from_graph(gm, seq, buckets, notes)
+
+    monkeypatch.setattr(capture_module, "plan_from_graph", as_efficient_attention)
+    plan = _plan(_sdpa_with(mask_of_length))
+    assert plan.safe == proven, plan.reason
+    if proven:
+        assert plan.evidence == ("1x SDPA with a causal mask (evaluated)",)
+    else:
+        assert "attention mask not proven causal" in plan.reason
 
 
 def test_a_node_whose_arguments_do_not_bind_refuses_the_plan(monkeypatch):

@@ -47,6 +47,44 @@ def test_padded_matches_unpadded_eager(family, attn):
     assert bucketed.source.compiles == 1
 
 
+class _KeepsTenPositions(torch.nn.Module):
+    """token ids -> per-token scores of the first 10 positions only: not one output per token, as an LM has."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+
+    def forward(self, input_ids, position_ids=None):
+        return self.embed(input_ids)[:, :10]
+
+
+def test_a_model_that_drops_positions_gets_no_buckets_and_a_clear_error():
+    # Traced at length 8, the slice leaves only Dynamo's guard `length < 10` in the graph: no bucket may rely on it.
+    bucketed = compile_bucketed(_KeepsTenPositions().eval(), ttftc.Config(buckets=(16, 32)), cache=None)
+    assert not bucketed.plan.safe
+    assert bucketed.plan.reason == "the trace holds only for sequence lengths in [2, 9], and bucket 16 is not"
+    with pytest.raises(ValueError, match=r"^the model returned 10 positions \(dim 1 of \(1, 10, 8\)\) for a 12-token "
+                                         r"prompt; the bucketed runtime needs one per token"):
+        bucketed(torch.randint(0, 32, (1, 12)))
+
+
+def test_dropping_unused_constants_keeps_read_ones_and_leaves_submodules_alone():
+    from ttftc.buckets.capture import _drop_unused_constants
+
+    root = torch.nn.Module()
+    root.register_buffer("read", torch.ones(2))
+    root.register_buffer("unread", torch.zeros(2))
+    root.inner = torch.nn.Module()
+    root.inner.register_buffer("own", torch.ones(2))  # the submodule's, not a constant of the graph
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(torch.add, (graph.placeholder("x"), graph.get_attr("read"))))
+    gm = torch.fx.GraphModule(root, graph)
+    gm.inner = root.inner
+    _drop_unused_constants(gm)
+    assert [name for name, _ in gm.named_buffers()] == ["read", "inner.own"]
+    assert torch.equal(gm(torch.ones(2)), torch.full((2,), 2.0))
+
+
 def test_batch_of_different_lengths_uses_each_sequences_length():
     model = zoo.build("llama", "sdpa")
     bucketed = compile_bucketed(model, ttftc.Config(buckets=(16,)), cache=None)

@@ -18,6 +18,9 @@ A mask is shown causal by evaluating the (data-independent) subgraph that builds
 and checking that no query sees a later key. Everything else that reduces, pools, normalises, slices, shifts
 or gathers along the sequence axis, and every op this analysis does not know, makes the plan refuse with a
 reason; the model then runs with dynamic shapes instead of buckets.
+
+The graph is the model only at lengths that pass Dynamo's guards on the symbolic length (a slice past the
+example length is traced away under one), so every bucket length must pass them too (length_guard_reason).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
@@ -448,8 +452,8 @@ class PaddingAnalysis:
         # counts back at least that far, like a sliding-window cache keeping its last W-1 keys) and ends at
         # the end.
         full_start = start in (0, None) or (isinstance(start, int) and start < 0 and -start >= self.max_length)
-        full_end = end is None or (isinstance(end, int) and end >= self.max_length) or str(end) == str(size) or (
-            isinstance(end, fx.Node) and str(end.meta.get("val")) == str(size))
+        end_value = end.meta.get("val") if isinstance(end, fx.Node) else end  # narrow(x, dim, 0, x.size(dim))
+        full_end = end is None or (isinstance(end, int) and end >= self.max_length) or str(end_value) == str(size)
         if full_start and full_end and step == 1:
             return None
         return f"{node.name}: slices the sequence axis ({start}:{end}:{step}), so positions would shift with padding"
@@ -541,11 +545,55 @@ class PaddingAnalysis:
         return None, evidence
 
 
+def _shape_env(gm: fx.GraphModule):
+    """The ShapeEnv of the trace's symbolic sizes (one for the whole graph), or None if no input is symbolic."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        for size in value.shape if isinstance(value, torch.Tensor) else (value,):
+            if isinstance(size, torch.SymInt):
+                return size.node.shape_env
+    return None
+
+
+def length_guard_reason(gm: fx.GraphModule, seq_symbols: Iterable, buckets: tuple[int, ...]) -> Optional[str]:
+    """Why the trace is not the model at every bucket length, or None.
+
+    Dynamo traces at one example length and keeps a branch or drops a slice under a guard on it (x[:, :10]
+    traced at length 8 guards `s < 10` and has no slice left), so the graph says nothing about lengths that
+    fail a guard."""
+    shape_env = _shape_env(gm)
+    if shape_env is None:
+        return None
+    # Sizes Dynamo unified (position_ids' length with input_ids') read as one symbol, on both sides.
+    seq = {shape_env.replace(symbol) for symbol in seq_symbols}
+    if not all(isinstance(symbol, sympy.Symbol) for symbol in seq):
+        return f"Dynamo rewrote the sequence length as {', '.join(sorted(map(str, seq)))}"
+    for symbol in sorted(seq, key=str):
+        bounds = shape_env.var_to_range.get(symbol)
+        for length in buckets:
+            if bounds is not None and not bounds.lower <= length <= bounds.upper:
+                return f"the trace holds only for sequence lengths in [{bounds.lower}, {bounds.upper}], " \
+                       f"and bucket {length} is not"
+    for guard in shape_env.guards:
+        condition = shape_env.replace(guard.expr)
+        if not condition.free_symbols & seq:
+            continue
+        for length in buckets:
+            # Other sizes keep their traced values; a symbol with none (data-dependent) leaves the guard unproven.
+            held = condition.xreplace({s: sympy.Integer(length) for s in seq}).xreplace(shape_env.backed_var_to_val)
+            if held is not sympy.true:
+                return f"the trace holds only for sequence lengths where {guard.expr} (Dynamo guarded on it), " \
+                       f"and bucket {length} does not"
+    return None
+
+
 def plan_from_graph(
     gm: fx.GraphModule, seq_symbols: Iterable, buckets: tuple[int, ...], notes: Sequence[str] = ()
 ) -> BucketPlan:
     """Analyse `gm` (pre-pass aten graph with a symbolic sequence length) into a BucketPlan."""
+    seq_symbols = set(seq_symbols)
     problem, evidence = PaddingAnalysis(gm, seq_symbols, max(buckets)).run()
+    problem = problem or length_guard_reason(gm, seq_symbols, buckets)
     return BucketPlan(safe=problem is None, buckets=buckets, reason=problem, evidence=evidence, notes=tuple(notes))
 
 

@@ -246,6 +246,10 @@ class BucketedModel:
     @staticmethod
     def _restore_layout(x: torch.Tensor, prompt: _Prompt, *, seq_dim: int) -> torch.Tensor:
         """Trim a padded [.., bucket, ..] result to the caller's width, moving rows back where they started."""
+        if x.shape[seq_dim] < prompt.longest:
+            raise ValueError(f"the model returned {x.shape[seq_dim]} positions (dim {seq_dim} of {tuple(x.shape)}) for a "
+                             f"{prompt.longest}-token prompt; the bucketed runtime needs one per token, as a causal "
+                             "LM's logits and KV cache have: compile this model with torch.compile instead")
         width = prompt.width
         if prompt.packed and x.shape[seq_dim] >= width:
             return x.narrow(seq_dim, 0, width)
