@@ -36,6 +36,12 @@ def test_cos_and_sin_broadcast_along_batch_and_heads(native_isa, cos_batch, cos_
     torch.testing.assert_close(rope_cpu(x, cos, sin), rotate_half_reference(x, cos, sin), **EXACTNESS[torch.float32])
 
 
+def test_cos_and_sin_may_broadcast_differently(native_isa):
+    x, cos, sin = rope_inputs(torch.float32, cos_batch=2, cos_heads=3)
+    sin = sin[:1, :1]  # one sin table for every batch row and head, while cos has one per head
+    torch.testing.assert_close(rope_cpu(x, cos, sin), rotate_half_reference(x, cos, sin), **EXACTNESS[torch.float32])
+
+
 def test_position_and_batch_pick_their_own_rows_of_cos_and_sin():
     # A kernel that read cos[0] for every position, or batch 0's tables for every batch row, gives x itself for
     # row 0 only: each position and batch row here has its own rotation.

@@ -160,6 +160,15 @@ def test_rows_are_ready_when_unit_stride_or_empty():
     assert not _native._rows_ready(torch.zeros(2, 4), torch.zeros(4, 2).t())
 
 
+@pytest.mark.parametrize("layer", [False, True])
+def test_norm_quant_of_zero_width_rows_scales_them_as_quantize_rows_does(native_isa, layer):
+    x, weight = torch.zeros(3, 0), torch.zeros(0)
+    q, scale, summed = _native.norm_quant(x, weight, torch.zeros(0) if layer else None, x, layer=layer, eps=1e-5)
+    assert q.shape == (3, 0) and summed.shape == (3, 0)
+    assert torch.equal(scale, _native.quantize_rows(x)[1]) and torch.equal(scale, torch.full((3,), 1e-8 / 127))
+    assert _native.norm_quant(torch.zeros(0, 8), torch.ones(8), None, None, layer=False, eps=1e-5)[1].shape == (0,)
+
+
 def test_gated_act_refuses_an_odd_width_and_of_no_rows_or_columns_is_empty(native_isa):
     with pytest.raises(ValueError) as refused:
         _native.gated_act(torch.zeros(2, 5), "silu")

@@ -215,6 +215,8 @@ def _norm_call(x2d, weight, bias, residual2d, *, layer: bool, eps: float, quanti
         _check(residual2d.shape == x2d.shape and residual2d.dtype == x2d.dtype and residual2d.is_contiguous(),
                "norm: the residual must match x")
     summed = torch.empty_like(x2d) if residual2d is not None else None
+    if quantize and not k:  # the kernel tells quantising from its q pointer, and zero-width rows have none
+        return quantize_rows(x2d), summed
     if quantize:
         q, scale, out = torch.empty(m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32), None
     else:
