@@ -31,6 +31,18 @@ def _qkv(b, h, hkv, s, d, dtype, seed=0):
     return q, k, v
 
 
+def test_each_block_of_query_rows_is_two_gemms_over_the_keys_up_to_its_last_row(monkeypatch):
+    q, k, v = _qkv(1, 2, 1, 10, 32, torch.float32)  # two query heads per kv head, 10 rows in blocks of 4
+    products = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm",
+                        lambda a, b: products.append(tuple(a.shape[1:]) + (b.shape[2],)) or real_bmm(a, b))
+    out = attention_cpu(q, k, v, causal=True, scale=0.3, tuning_config={"kernel": "gemm_blocks", "gemm_block_rows": 4})
+    # per block: (heads x rows, d) @ keys[:stop]^T, then (heads x rows, stop) @ values[:stop]
+    assert products == [(8, 32, 4), (8, 4, 32), (8, 32, 8), (8, 8, 32), (4, 32, 10), (4, 10, 32)]
+    torch.testing.assert_close(out.double(), _reference(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,h,hkv,s,rows", [(1, 9, 3, 300, 64), (2, 4, 4, 129, 128), (1, 6, 2, 17, 256),
                                             (1, 2, 1, 1, 64)])

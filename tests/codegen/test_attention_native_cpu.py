@@ -144,18 +144,29 @@ def test_results_do_not_depend_on_the_thread_count():
     assert torch.equal(one, three)
 
 
-@pytest.mark.parametrize("heads, queries, packed", [(16, 128, True), (16, 127, False), (8, 200, False)])
-def test_the_lowering_packs_kv_rows_four_kib_apart_for_enough_queries(monkeypatch, heads, queries, packed):
+@pytest.mark.parametrize("heads, queries, head_dim, packed", [
+    (16, 128, 64, True), (16, 127, 64, False), (8, 200, 64, False), (1, 128, 1024, False)])
+def test_the_lowering_packs_kv_rows_four_kib_apart_for_enough_queries(monkeypatch, heads, queries, head_dim, packed):
     """16 interleaved fp32 heads of 64 put K/V rows 4 KiB apart, in the same L1 sets: the lowering has the kernel copy
-    them into tile order once 128 queries (rows x heads per kv head) read each key; 8 heads (2 KiB) read in place."""
+    them into tile order once 128 queries (rows x heads per kv head) read each key; 8 heads (2 KiB) read in place,
+    and so do rows of 4 KiB that follow each other (one head of 1024: nothing interleaved)."""
     monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", "native")
-    q, k, v = _qkv(1, heads, heads, queries, queries, 64, seed=6)
-    assert (k.stride(2) * 4 % 4096 == 0) == (heads == 16)
+    q, k, v = _qkv(1, heads, heads, queries, queries, head_dim, seed=6)
+    assert (k.stride(2) * 4 % 4096 == 0) == (heads * head_dim == 1024)
     seen = []
     real = _native.attention
     monkeypatch.setattr(_native, "attention", lambda *a, **kw: seen.append(kw["pack_kv"]) or real(*a, **kw))
     out = attention_cpu(q, k, v, causal=True, scale=SCALE)
     assert seen == [packed]
+    tolerance = 1e-5 * head_dim / 64  # fp32 dot products of head_dim terms
+    torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=tolerance, rtol=tolerance)
+
+
+def test_the_lowering_gives_the_kernel_a_contiguous_head_dimension(monkeypatch):
+    monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", "native")
+    q, k, v = _qkv(1, 2, 2, 12, 12, 16)
+    d_major = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v)]  # same values, strided along D
+    out = attention_cpu(*d_major, causal=True, scale=SCALE)
     torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
 
 

@@ -151,6 +151,15 @@ def test_every_gated_and_linear_act_refusal():
     assert "bias of shape" in gated.unsupported_reason(CPU, x, w_gu, w_d, b_gu[None], act="silu")
     assert "bias of shape" in gated.unsupported_reason(CPU, x, w_gu, w_d, b_gu.half(), act="silu")
     assert "weight dtype" in gated.unsupported_reason(CPU, x, w_gu, w_d.half(), act="silu")
+    # each operand's dtype is checked: the activation's, then each weight against it
+    assert gated.unsupported_reason(CPU, x.double(), w_gu, w_d, act="silu") == (
+        "dtype torch.float64 not supported by the cpu GEMM path")
+    assert gated.unsupported_reason(CPU, x, w_gu.half(), w_d, act="silu") == (
+        "weight dtype torch.float16 differs from activation dtype torch.float32")
+    # an odd hidden width is fine; an odd gate|up height is not
+    assert gated.unsupported_reason(CPU, x[..., :7], w_gu[:, :7], w_d, act="silu") is None
+    assert gated.unsupported_reason(CPU, x, w_gu[:-1], w_d, act="silu") == (
+        f"weights ({w_gu.shape[0] - 1}, {w_gu.shape[1]}) / {tuple(w_d.shape)} do not form a gated FFN")
     assert linear.unsupported_reason(CPU, x, w_gu, b_gu, act="relu") is None
     assert "activation 'swish'" in linear.unsupported_reason(CPU, x, w_gu, act="swish")
     assert "does not fit input width" in linear.unsupported_reason(CPU, x, w_gu[:, :-1], act="relu")

@@ -44,6 +44,38 @@ def test_each_gemm_backend_matches_exact_sums(dtype, gemm, n_block, shape):
 
 
 @needs_onednn
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("n_block, blocks", [
+    (None, [(0, 10, False)]),  # the default: one GEMM
+    (0, [(0, 10, False)]), (10, [(0, 10, False)]), (12, [(0, 10, False)]),
+    (4, [(0, 4, True), (4, 8, True), (8, 10, True)]), (1, [(i, i + 1, True) for i in range(10)])])
+def test_blas_makes_one_call_per_block_of_output_columns(monkeypatch, with_bias, n_block, blocks):
+    x, w, b = _operands(torch.float32, k=12, n=10)
+    calls = []
+
+    def recording(real):
+        def gemm(*args, out=None):
+            weight = args[-1]  # w[start:stop].t(): its storage offset tells start
+            start = weight.storage_offset() // w.shape[1]
+            calls.append((start, start + weight.shape[1], out is not None))
+            return real(*args) if out is None else real(*args, out=out)
+        return gemm
+
+    monkeypatch.setattr(torch, "addmm", recording(torch.addmm))
+    monkeypatch.setattr(torch, "mm", recording(torch.mm))
+    bias = b if with_bias else None
+    out = linear_2d(x, w, bias) if n_block is None else linear_2d(x, w, bias, n_block)
+    assert calls == blocks
+    torch.testing.assert_close(out, x @ w.t() + (b if with_bias else 0))
+
+
+def test_an_unknown_gemm_backend_is_refused_by_name():
+    x, w, b = _operands(torch.float32)
+    with pytest.raises(ValueError) as refused:
+        linear_2d(x, w, b, gemm="mkl")
+    assert str(refused.value) == "gemm 'mkl': the CPU linear runs one of ('onednn', 'blas')"
+
+
 def test_onednn_reads_a_strided_activation_without_a_copy_in_the_caller():
     x, w, _ = _operands(torch.float32, k=24)
     wide = torch.randn(7, 48)
@@ -88,8 +120,10 @@ def test_lowering_matches_reference_and_states_its_limits():
     (entry,) = [e for e in lowerings_for("linear") if e.provider == "cpu"]
     assert entry.unsupported_reason(CPU, x3, w, b) is None
     assert "differs from activation dtype" in entry.unsupported_reason(CPU, x3, w.double(), b)
-    assert "does not fit input width" in entry.unsupported_reason(CPU, x3, w[:, :5], b)
-    assert "bias" in entry.unsupported_reason(CPU, x3, w, b[:3])
+    # x3 is [1, 7, 12]: the width is its last axis, and the bias must have w's 37 rows
+    assert entry.unsupported_reason(CPU, x3, w[:, :5], b) == "weight (37, 5) does not fit input width 12"
+    assert entry.unsupported_reason(CPU, x3, w, b[:3]) == (
+        "bias of shape (3,) / torch.float32 does not fit [37] / torch.float32")
     assert "tensors on cuda" in entry.unsupported_reason(LoweringContext("cuda", None), x3, w, b)
 
 
@@ -116,6 +150,11 @@ def test_gemm_options_and_the_search_space_rules():
     assert gemm_options({"n_block": 256}, torch.float16) == {"gemm": "blas", "n_block": 256}
     assert gemm_options({"gemm": "blas"}, torch.float32) == {"gemm": "blas", "n_block": 1024}
     assert gemm_options({"num_threads": 1}, torch.float16) == {"gemm": "blas", "n_block": 1024}
+    # autotune entries are untrusted: a backend or block this build does not know falls back to the default
+    for damaged in ({"gemm": "mkl"}, {"gemm": None}, {"n_block": "wide"}, {"n_block": True}, {"n_block": -8},
+                    {"n_block": 512.5}):
+        assert gemm_options(damaged, torch.float16) == {"gemm": "blas", "n_block": 1024}
+    assert gemm_options({"gemm": "blas", "n_block": 0}, torch.float16) == {"gemm": "blas", "n_block": 0}
     problem = Problem("linear", "cpu", (TensorSpec((8, 16), torch.float16), TensorSpec((16, 16), torch.float16)), ())
     assert default_wide_gemm_config(problem) == {"gemm": "blas", "n_block": 1024}
     assert wide_gemm_constraint({"gemm": "blas", "n_block": 512}, problem) is None

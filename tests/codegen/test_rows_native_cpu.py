@@ -153,6 +153,17 @@ def test_without_the_extension_the_row_kernels_say_why(monkeypatch):
     assert _native.rows_reason(torch.zeros(2, 4)) == "the native kernels are not built"
 
 
+def test_the_row_kernels_read_cpu_tensors_only():
+    assert _native.rows_reason(torch.zeros(2, 4, device="meta")) == "tensors are not on the CPU"
+
+
+def test_the_kernels_run_on_torchs_thread_count(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert _native._threads() == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 0)  # never fewer than one
+    assert _native._threads() == 1
+
+
 def test_rows_are_ready_when_unit_stride_or_empty():
     assert _native._rows_ready(torch.zeros(2, 4), torch.zeros(3, 8)[:, :4])
     assert _native._rows_ready(torch.empty(0, 4).t())  # no element to read, whatever the strides
@@ -312,6 +323,20 @@ def test_the_native_norm_refuses_each_malformed_operand_by_name(args, layer, mes
 _XR = torch.zeros(1, 2, 3, 4)
 _TABLE = torch.zeros(1, 1, 3, 4)
 _ROPE_STRIDE = "rope: x, cos, sin and out need a unit stride along the head dimension"
+
+
+_NOT_A_MATRIX = "gated_act: expects a [M, K] matrix with unit-stride rows, got shape {} strides {}"
+
+
+@pytest.mark.parametrize("gate_up, act, message", [
+    (torch.zeros(2, 8, dtype=torch.float16), "silu", "gated_act: the native row kernels read fp32 or bf16, not "
+                                                     "torch.float16"),
+    (torch.zeros(2, 2, 8), "silu", _NOT_A_MATRIX.format((2, 2, 8), (16, 8, 1))),
+    (torch.zeros(8, 2).t(), "silu", _NOT_A_MATRIX.format((2, 8), (1, 2))),
+    (torch.zeros(2, 8), "gelu", "gated_act: activation 'gelu'"),  # the erf form: not a native one
+], ids=["float16", "three-dimensional", "column-major", "activation"])
+def test_gated_act_refuses_each_malformed_operand_by_name(gate_up, act, message):
+    assert _refusal(lambda: _native.gated_act(gate_up, act)) == message
 
 
 @pytest.mark.parametrize("x, cos, sin, out, message", [

@@ -50,10 +50,12 @@ def default_gemm(dtype: torch.dtype) -> str:
 def gemm_options(tuning_config: Optional[dict], dtype: torch.dtype) -> dict:
     """The `gemm` and `n_block` arguments of linear_2d: the tuned ones when given, else the defaults for dtype."""
     tuned = tuning_config or {}
-    gemm = tuned.get("gemm", default_gemm(dtype))
-    if gemm == "onednn" and onednn_reason(dtype) is not None:
-        gemm = "blas"  # a cache entry tuned on another build must not break this one
-    n_block = int(tuned.get("n_block", DEFAULT_N_BLOCK if gemm == "blas" else 0))
+    gemm = tuned.get("gemm")
+    if gemm not in GEMM_BACKENDS or (gemm == "onednn" and onednn_reason(dtype) is not None):
+        gemm = default_gemm(dtype)  # none tuned, or an entry from another build or a damaged file: never an error
+    n_block = tuned.get("n_block")
+    if isinstance(n_block, bool) or not isinstance(n_block, int) or n_block < 0:
+        n_block = DEFAULT_N_BLOCK if gemm == "blas" else 0
     return {"gemm": gemm, "n_block": n_block}
 
 
@@ -75,6 +77,8 @@ def linear_2d(x2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
     """x2d · wᵀ (+ bias) for w stored [N, K] with the chosen backend. With "blas" and n_block > 0, one BLAS call per
     n_block output columns into one buffer (each writes its column slice in place: BLAS takes the row stride as
     ldc, so nothing is copied)."""
+    if gemm not in GEMM_BACKENDS:
+        raise ValueError(f"gemm {gemm!r}: the CPU linear runs one of {GEMM_BACKENDS}")
     if gemm == "onednn":
         # oneDNN honours the strides of x and w but reads a 1-D bias as if it were contiguous.
         bias = bias.contiguous() if bias is not None else None

@@ -188,11 +188,17 @@ def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def _matrix_reason(x: torch.Tensor) -> Optional[str]:
+    """rows_reason, else why x is not a [M, K] matrix with unit-stride rows (its rows may be strided)."""
+    reason = rows_reason(x)
+    if reason is None and not (x.dim() == 2 and _rows_ready(x)):
+        reason = f"expects a [M, K] matrix with unit-stride rows, got shape {tuple(x.shape)} strides {x.stride()}"
+    return reason
+
+
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row of a [M, K] fp32/bf16 matrix (rows may be strided): as quantize_per_token."""
-    reason = rows_reason(x2d)
-    if reason is None and not (x2d.dim() == 2 and _rows_ready(x2d)):
-        reason = f"expects a [M, K] matrix with unit-stride rows, got shape {tuple(x2d.shape)} strides {x2d.stride()}"
+    reason = _matrix_reason(x2d)
     _check(reason is None, f"quantize_rows: {reason}")
     m, k = x2d.shape
     q = torch.empty(m, k, dtype=torch.int8)
@@ -247,7 +253,8 @@ def norm_quant(x2d, weight, bias, residual2d, *, layer: bool, eps: float):
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """act(gate) * up of a [M, 2I] gate|up matrix (rows may be strided), as a contiguous [M, I] in its dtype."""
-    _check(rows_reason(gate_up) is None and gate_up.dim() == 2 and _rows_ready(gate_up), f"gated_act: {rows_reason(gate_up)}")
+    reason = _matrix_reason(gate_up)
+    _check(reason is None, f"gated_act: {reason}")
     _check(act in ACTIVATION_CODES, f"gated_act: activation {act!r}")
     m, two_i = gate_up.shape
     _check(two_i % 2 == 0, "gated_act: an odd gate|up width")
