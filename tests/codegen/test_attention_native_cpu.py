@@ -144,14 +144,16 @@ def test_results_do_not_depend_on_the_thread_count():
     assert torch.equal(one, three)
 
 
-@pytest.mark.parametrize("heads, queries, head_dim, packed", [
-    (16, 128, 64, True), (16, 127, 64, False), (8, 200, 64, False), (1, 128, 1024, False)])
-def test_the_lowering_packs_kv_rows_four_kib_apart_for_enough_queries(monkeypatch, heads, queries, head_dim, packed):
+@pytest.mark.parametrize("q_heads, heads, queries, head_dim, packed", [
+    (16, 16, 128, 64, True), (16, 16, 127, 64, False), (8, 8, 200, 64, False), (1, 1, 128, 1024, False),
+    (32, 16, 64, 64, True)])  # GQA: 64 rows x 2 query heads per kv head read each key
+def test_the_lowering_packs_kv_rows_four_kib_apart_for_enough_queries(monkeypatch, q_heads, heads, queries, head_dim,
+                                                                      packed):
     """16 interleaved fp32 heads of 64 put K/V rows 4 KiB apart, in the same L1 sets: the lowering has the kernel copy
     them into tile order once 128 queries (rows x heads per kv head) read each key; 8 heads (2 KiB) read in place,
     and so do rows of 4 KiB that follow each other (one head of 1024: nothing interleaved)."""
     monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", "native")
-    q, k, v = _qkv(1, heads, heads, queries, queries, head_dim, seed=6)
+    q, k, v = _qkv(1, q_heads, heads, queries, queries, head_dim, seed=6)
     assert (k.stride(2) * 4 % 4096 == 0) == (heads * head_dim == 1024)
     seen = []
     real = _native.attention
@@ -170,6 +172,14 @@ def test_the_lowering_gives_the_kernel_a_contiguous_head_dimension(monkeypatch):
     torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
 
 
+def test_the_lowering_hands_the_kernel_int64_lengths(monkeypatch):
+    monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", "native")
+    q, k, v = _qkv(2, 2, 2, 12, 12, 16)
+    kv_len = torch.tensor([12, 7], dtype=torch.int32)
+    out = attention_cpu(q, k, v, kv_len, causal=True, scale=SCALE)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, kv_len.long(), causal=True), atol=1e-5, rtol=1e-5)
+
+
 def test_the_lowering_hands_other_dtypes_and_head_dims_to_flash(monkeypatch):
     monkeypatch.setitem(cpu_attention.DEFAULT_TUNING, "kernel", "native")
     monkeypatch.setattr(_native, "attention", lambda *a, **kw: pytest.fail("native kernel on an unsupported case"))
@@ -180,26 +190,31 @@ def test_the_lowering_hands_other_dtypes_and_head_dims_to_flash(monkeypatch):
     torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
 
 
-def test_bad_inputs_are_refused_before_any_pointer_is_used():
+def _bad_input_cases():
     q, k, v = _qkv(1, 2, 2, 8, 8, 16)
     out = torch.empty(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="not torch.float64"):
-        _native.attention(q.double(), k.double(), v.double(), out, None, causal=True, scale=1.0, q_offset=0,
-                              window=0, block_k=8, threads=1)
-    with pytest.raises(ValueError, match="out must be"):
-        _native.attention(q, k, v, out[..., :8], None, causal=True, scale=1.0, q_offset=0, window=0, block_k=8,
-                              threads=1)
-    with pytest.raises(ValueError, match="contiguous last dimension"):
-        _native.attention(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, out, None, causal=True,
-                              scale=1.0, q_offset=0, window=0, block_k=8, threads=1)
-    with pytest.raises(ValueError, match="kv_len"):
-        _native.attention(q, k, v, out, torch.tensor([8], dtype=torch.int32), causal=True, scale=1.0,
-                              q_offset=0, window=0, block_k=8, threads=1)
-    with pytest.raises(ValueError, match="multiple of kv heads"):
-        _native.attention(q, k[:, :0], v[:, :0], out, None, causal=True, scale=1.0, q_offset=0, window=0,
-                              block_k=8, threads=1)
-    with pytest.raises(ValueError, match="block_k"):
-        _native.attention(q, k, v, out, None, causal=True, scale=1.0, q_offset=0, window=0, block_k=0, threads=1)
+    good = dict(q=q, k=k, v=v, out=out, kv_len=None, block_k=8)
+    d_major = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return [
+        (dict(good, q=q.double(), k=k.double(), v=v.double()),
+         f"the native attention kernel runs {', '.join(map(str, _native.attention_dtypes()))} here, not torch.float64"),
+        (dict(good, out=out[..., :8]), "out must be torch.float32 (1, 2, 8, 16), got torch.float32 (1, 2, 8, 8)"),
+        (dict(good, q=d_major), "q, k, v and out need a contiguous last dimension"),
+        (dict(good, kv_len=torch.tensor([8], dtype=torch.int32)),
+         "kv_len must be a contiguous int64 tensor of shape (1,)"),
+        (dict(good, kv_len=torch.tensor([8, 8])), "kv_len must be a contiguous int64 tensor of shape (1,)"),
+        (dict(good, k=k[:, :0], v=v[:, :0]), "query heads are not a multiple of kv heads"),
+        (dict(good, block_k=0), "q_offset and window must be >= 0, block_k and threads >= 1"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_bad_inputs_are_refused_before_any_pointer_is_used(case):
+    args, message = _bad_input_cases()[case]
+    with pytest.raises(ValueError) as refused:
+        _native.attention(args["q"], args["k"], args["v"], args["out"], args["kv_len"], causal=True, scale=1.0,
+                          q_offset=0, window=0, block_k=args["block_k"], threads=1)
+    assert str(refused.value) == message
 
 
 def test_a_build_from_other_sources_is_refused(monkeypatch):
