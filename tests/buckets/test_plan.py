@@ -5,6 +5,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import ttftc
@@ -517,7 +518,7 @@ def _guarded_graph(guard):
     width = _size_placeholder(graph, shape_env, "width", 3)
     positions = _size_placeholder(graph, shape_env, "positions", 8)
     graph.output((seq, width, positions))
-    symbols = seq.meta["val"].node.expr, width.meta["val"].node.expr  # before the guard may unify them
+    symbols = tuple(size.meta["val"].node.expr for size in (seq, width, positions))  # before a guard unifies them
     assert bool(guard(seq.meta["val"], width.meta["val"], positions.meta["val"]))
     return fx.GraphModule(torch.nn.Module(), graph), *symbols
 
@@ -531,20 +532,45 @@ _GUARDED = " (Dynamo guarded on it), and bucket {bucket} does not"
     (lambda seq, width, positions: width < 5, (16, 32), None),  # a guard on another size only
     (lambda seq, width, positions: seq > width, (16, 32), None),  # the other size keeps its traced value, 3
     (lambda seq, width, positions: seq == positions, (16, 32), None),  # Dynamo unifies the two lengths
-    (lambda seq, width, positions: seq == width + 5, (16, 32), "Dynamo rewrote the sequence length as {width} + 5"),
+    (lambda seq, width, positions: seq == width + 5, (16, 32),
+     "Dynamo rewrote the sequence length {seq} as {width} + 5"),
     (lambda seq, width, positions: seq < 10, (4, 9), None),
     (lambda seq, width, positions: seq < 10, (4, 9, 16), _HOLDS_ONLY + "in [2, 9], and bucket 16 is not"),
     (lambda seq, width, positions: seq > 5, (4, 9), _HOLDS_ONLY + "in [6, int_oo], and bucket 4 is not"),
+    (lambda seq, width, positions: seq > 5, (6, 9), None),  # the range's bounds are in it
     (lambda seq, width, positions: seq % 2 == 0, (16, 32), None),
     (lambda seq, width, positions: seq % 2 == 0, (16, 33), _HOLDS_ONLY + "where Eq(Mod({seq}, 2), 0)" + _GUARDED),
+    # a guard on another size first does not end the check
+    (lambda seq, width, positions: bool(width < 5) and seq % 2 == 0, (16, 33),
+     _HOLDS_ONLY + "where Eq(Mod({seq}, 2), 0)" + _GUARDED),
     (lambda seq, width, positions: seq * width != 60, (16, 20), _HOLDS_ONLY + "where Ne({seq}*{width}, 60)" + _GUARDED),
 ], ids=["trivial", "other-size-only", "relative-to-another-size", "unified-lengths", "length-as-an-expression",
         "range-holds",
-        "range-excludes-a-bucket", "range-excludes-a-smaller-bucket", "parity-holds", "parity-fails", "product-fails"])
+        "range-excludes-a-bucket", "range-excludes-a-smaller-bucket", "range-bounds", "parity-holds",
+        "parity-fails", "parity-fails-after-another-guard", "product-fails"])
 def test_a_plan_holds_only_for_buckets_that_pass_the_traces_length_guards(guard, buckets, reason):
-    gm, seq, width = _guarded_graph(guard)  # Dynamo names the symbols (s80, s99, ...)
+    gm, seq, width, positions = _guarded_graph(guard)  # Dynamo names the symbols (s80, s99, ...)
     expected = reason and reason.format(seq=seq, width=width, bucket=buckets[-1])
     assert plan_module.length_guard_reason(gm, {seq}, buckets) == expected
+
+
+def test_each_of_two_sequence_lengths_is_checked():
+    # input_ids' and position_ids' lengths left as two symbols: either may be the one a guard bounds
+    gm, seq, _, positions = _guarded_graph(lambda seq, width, positions: seq < 10)
+    assert plan_module.length_guard_reason(gm, {seq, positions}, (4, 9, 16)) == (
+        _HOLDS_ONLY + "in [2, 9], and bucket 16 is not")
+
+
+def test_the_guards_are_found_through_a_tensor_input_too():
+    # A graph whose only input is the token ids [1, s]: the symbolic size lives in a tensor's shape.
+    shape_env, graph = ShapeEnv(), fx.Graph()
+    seq = shape_env.create_symintnode(shape_env.create_symbol(8, ConstantSource("seq")), hint=8)
+    with FakeTensorMode(shape_env=shape_env):
+        graph.placeholder("tokens").meta["val"] = torch.empty(1, seq, dtype=torch.long)
+    graph.output(None)
+    assert bool(seq < 10)
+    assert plan_module.length_guard_reason(fx.GraphModule(torch.nn.Module(), graph), {seq.node.expr}, (16,)) == (
+        _HOLDS_ONLY + "in [2, 9], and bucket 16 is not")
 
 
 def test_without_a_symbolic_length_there_is_no_length_guard_to_check():
@@ -573,6 +599,14 @@ def test_an_sdpa_kernel_that_names_its_mask_attn_bias_is_checked_as_with_attn_ma
         assert plan.evidence == ("1x SDPA with a causal mask (evaluated)",)
     else:
         assert "attention mask not proven causal" in plan.reason
+
+
+def test_a_slice_ending_at_the_largest_bucket_keeps_every_position():
+    # Traced at length 8, x[:, :4] stays a slice (with the guard length >= 4); no prompt of bucket 4 loses a position.
+    first_four = _Toy(lambda x: x[:, :4] * 2).eval()
+    assert analyse_padding(first_four, (4,), CPU).safe
+    assert analyse_padding(first_four, (6,), CPU).reason == (
+        "slice_1: slices the sequence axis (0:4:1), so positions would shift with padding")
 
 
 def test_a_node_whose_arguments_do_not_bind_refuses_the_plan(monkeypatch):

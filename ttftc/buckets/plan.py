@@ -565,10 +565,13 @@ def length_guard_reason(gm: fx.GraphModule, seq_symbols: Iterable, buckets: tupl
     if shape_env is None:
         return None
     # Sizes Dynamo unified (position_ids' length with input_ids') read as one symbol, on both sides.
-    seq = {shape_env.replace(symbol) for symbol in seq_symbols}
-    if not all(isinstance(symbol, sympy.Symbol) for symbol in seq):
-        return f"Dynamo rewrote the sequence length as {', '.join(sorted(map(str, seq)))}"
-    for symbol in sorted(seq, key=str):
+    seq = set()
+    for symbol in seq_symbols:
+        canonical = shape_env.replace(symbol)
+        if not isinstance(canonical, sympy.Symbol):
+            return f"Dynamo rewrote the sequence length {symbol} as {canonical}"
+        seq.add(canonical)
+    for symbol in sorted(seq, key=str):  # sympy symbols do not order themselves
         bounds = shape_env.var_to_range.get(symbol)
         for length in buckets:
             if bounds is not None and not bounds.lower <= length <= bounds.upper:
