@@ -204,17 +204,31 @@ def _bad_input_cases():
          "kv_len must be a contiguous int64 tensor of shape (1,)"),
         (dict(good, kv_len=torch.tensor([8, 8])), "kv_len must be a contiguous int64 tensor of shape (1,)"),
         (dict(good, k=k[:, :0], v=v[:, :0]), "query heads are not a multiple of kv heads"),
-        (dict(good, block_k=0), "q_offset and window must be >= 0, block_k and threads >= 1"),
+        (dict(good, block_k=0), _BAD_COUNTS),
+        (dict(good, q_offset=-1), _BAD_COUNTS),
+        (dict(good, window=-1), _BAD_COUNTS),
+        (dict(good, threads=0), _BAD_COUNTS),
     ]
 
 
-@pytest.mark.parametrize("case", range(7))
+_BAD_COUNTS = "q_offset and window must be >= 0, block_k and threads >= 1"
+
+
+@pytest.mark.parametrize("case", range(10))
 def test_bad_inputs_are_refused_before_any_pointer_is_used(case):
     args, message = _bad_input_cases()[case]
     with pytest.raises(ValueError) as refused:
         _native.attention(args["q"], args["k"], args["v"], args["out"], args["kv_len"], causal=True, scale=1.0,
-                          q_offset=0, window=0, block_k=args["block_k"], threads=1)
+                          q_offset=args.get("q_offset", 0), window=args.get("window", 0), block_k=args["block_k"],
+                          threads=args.get("threads", 1))
     assert str(refused.value) == message
+
+
+def test_blocks_of_one_key_and_no_queries_are_valid():
+    q, k, v = _qkv(1, 2, 2, 9, 9, 16)
+    torch.testing.assert_close(_run(q, k, v, causal=True, block_k=1).double(), _reference(q, k, v, causal=True),
+                               atol=1e-5, rtol=1e-5)
+    assert _run(q[:, :, :0], k, v, causal=True).shape == (1, 2, 0, 16)
 
 
 def test_a_build_from_other_sources_is_refused(monkeypatch):
