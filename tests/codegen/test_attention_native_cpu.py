@@ -224,6 +224,27 @@ def test_bad_inputs_are_refused_before_any_pointer_is_used(case):
     assert str(refused.value) == message
 
 
+def _attention_reason_cases():
+    q, k, v = _qkv(2, 4, 2, 8, 8, 16)
+    not_4d, misfit = "q, k, v are not 4-D", "q, k, v shapes do not fit together"
+    return [((q[0], k, v), not_4d), ((q, k[0], v), not_4d), ((q, k, v[0]), not_4d),
+            ((q, k[..., :8], v), misfit),  # head dims differ
+            ((q, k, v[:, :, :7]), misfit),  # key and value lengths differ
+            ((q, k[:1], v[:1]), misfit),  # batch sizes differ
+            ((q, k, v), None)]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_attention_reason_names_each_misfit(case):
+    tensors, reason = _attention_reason_cases()[case]
+    assert _native.attention_reason(*tensors) == reason
+
+
+def test_attention_reason_without_the_extension_says_why(monkeypatch):
+    monkeypatch.setattr(_native, "unavailable_reason", lambda: "the native kernels are not built")
+    assert _native.attention_reason(*_qkv(1, 2, 2, 8, 8, 16)) == "the native kernels are not built"
+
+
 def test_blocks_of_one_key_and_no_queries_are_valid():
     q, k, v = _qkv(1, 2, 2, 9, 9, 16)
     torch.testing.assert_close(_run(q, k, v, causal=True, block_k=1).double(), _reference(q, k, v, causal=True),

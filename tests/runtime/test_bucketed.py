@@ -241,6 +241,16 @@ class _TinyLM(torch.nn.Module):
         return CausalLMOutputWithPast(logits=self.head(hidden), past_key_values=((keys, -keys),) if use_cache else None)
 
 
+def test_a_prompt_run_without_use_cache_has_a_graph_without_kv():
+    bucketed = compile_bucketed(_TinyLM().eval(), ttftc.Config(buckets=(16,)), cache=None)
+    assert bucketed.plan.safe, bucketed.plan.reason
+    ids = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(0))
+    without, with_kv = bucketed(ids, use_cache=False), bucketed(ids)
+    assert without.bucket == with_kv.bucket == 16
+    assert without.past_key_values is None and len(with_kv.past_key_values) == 1
+    assert torch.equal(without.logits, with_kv.logits)
+
+
 class _RecordingBackend:
     """Stands in for TtftcBackend: keeps its config and, per graph it is handed, whether the graph's sizes are
     symbolic; runs the graph as it is."""
