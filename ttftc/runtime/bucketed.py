@@ -15,6 +15,7 @@ artifact. Either way they are plain aten graphs called directly, so a warm bucke
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -82,7 +83,7 @@ class _Prompt:
     def width(self) -> int:
         return self.input_ids.shape[1]
 
-    @property
+    @functools.cached_property  # read per restored output (logits and every layer's K and V): one reduction
     def longest(self) -> int:
         return int(self.lengths.max())
 
@@ -247,9 +248,9 @@ class BucketedModel:
     def _restore_layout(x: torch.Tensor, prompt: _Prompt, *, seq_dim: int) -> torch.Tensor:
         """Trim a padded [.., bucket, ..] result to the caller's width, moving rows back where they started."""
         if x.shape[seq_dim] < prompt.longest:
-            raise ValueError(f"the model returned {x.shape[seq_dim]} positions (dim {seq_dim} of {tuple(x.shape)}) for a "
-                             f"{prompt.longest}-token prompt; the bucketed runtime needs one per token, as a causal "
-                             "LM's logits and KV cache have: compile this model with torch.compile instead")
+            raise ValueError(f"the model returned {x.shape[seq_dim]} positions (dim {seq_dim} of {tuple(x.shape)}) "
+                             f"for a {prompt.longest}-token prompt; the bucketed runtime needs one per token, as a "
+                             "causal LM's logits and KV cache have: compile this model with torch.compile instead")
         width = prompt.width
         if prompt.packed and x.shape[seq_dim] >= width:
             return x.narrow(seq_dim, 0, width)
