@@ -53,6 +53,8 @@ def test_lists_are_normalised_to_tuples():
         (dict(buckets=()), ["()", "non-empty"]),
         (dict(buckets=(16, "32")), ["'32'", "positive int"]),
         (dict(on_oversize="pad"), ["'pad'", "'error'", "'dynamic'"]),
+        (dict(buckets=(16, 32), codegen="inductor"),
+         ["(16, 32)", "codegen='inductor'", "codegen='eager'", "buckets=None"]),
     ],
 )
 def test_invalid_values_name_the_value_and_the_valid_ones(kwargs, fragments):

@@ -34,7 +34,8 @@ class Config:
     precision:  "auto" runs GEMMs and attention in bf16 where the device computes bf16 natively (ttftc.capabilities)
                 and keeps fp32 elsewhere; it never quantises. "fp32" keeps the model's numerics; "bf16" runs
                 GEMMs and attention in bf16 wherever asked; "int8" is W8A8 (the rest as "auto").
-    buckets:    prompt-length buckets for padding (None: no bucketing, shapes stay as Dynamo gives them).
+    buckets:    prompt-length buckets for padding (None: no bucketing, shapes stay as Dynamo gives them); eager
+                codegen only.
     device:     "auto" follows the example inputs.
     provider:   "auto" picks the first capable lowering per op; any other value forces that provider wherever
                 it is capable and uses the torch reference elsewhere.
@@ -120,6 +121,14 @@ class Config:
                 raise ValueError(
                     f"Config.buckets={buckets!r} must be strictly increasing with no duplicates, "
                     f"e.g. {tuple(sorted(set(buckets)))!r}."
+                )
+            if self.codegen == "inductor":
+                # Each bucket's graph is captured and stored as an eager program (ttftc/buckets/capture.py), the
+                # form the compile cache and AOT artifacts hold; Inductor never sees it.
+                raise ValueError(
+                    f"Config.buckets={buckets!r} cannot be combined with codegen='inductor': bucket graphs run on "
+                    "the eager code generator. Use codegen='eager' to keep the buckets, or buckets=None to let "
+                    "Inductor compile one graph with a symbolic prompt length (no recompile per length either)."
                 )
 
     def enabled_passes(self) -> tuple[str, ...]:

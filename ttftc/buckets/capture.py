@@ -148,9 +148,7 @@ def capture_graph(model: torch.nn.Module, signature: GraphSignature, config: Con
     adapter = PrefillAdapter(model, logits=signature.logits, kv=signature.kv)
     backend = _CaptureBackend(config)
     tensors = example_inputs(signature, device, adapter)
-    _trace(adapter, backend, tensors, dynamic=False)
-    if backend.graph is None:
-        raise RuntimeError("the capture backend saw no graph")
+    _trace(adapter, backend, tensors, dynamic=False)  # returns only once the backend has compiled a graph
     names = [backend.flat_names[i] if i < len(backend.flat_names) else None for i in backend.live]
     if any(n not in tensors for n in names):
         raise RuntimeError(
