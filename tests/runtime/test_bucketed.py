@@ -326,6 +326,31 @@ def test_a_model_that_updates_its_own_state_cannot_be_captured():
     assert str(raised.value) == message
 
 
+def test_a_model_with_tensor_subclass_weights_is_refused_not_misnamed():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from ttftc.buckets.capture import capture_graph
+    from ttftc.buckets.program import GraphSignature
+
+    class Subclassed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 4)
+            weight = torch.randn(4, 4)
+            # AOTAutograd flattens it into two inputs, shifting every later input's position by one
+            self.proj = torch.nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
+
+        def forward(self, input_ids):
+            return self.embed(input_ids) @ self.proj
+
+    message = ("the prefill graph takes 4 inputs after AOTAutograd where Dynamo's took 3, so ttftc cannot tell "
+               "which prompt tensor each one is. Tensor subclasses (e.g. quantised weights) cause this: use plain "
+               "tensors, or Config(buckets=None).")
+    with pytest.raises(RuntimeError) as raised:
+        capture_graph(Subclassed().eval(), GraphSignature(8), ttftc.Config(), torch.device("cpu"))
+    assert str(raised.value) == message
+
+
 class _Configured(torch.nn.Module):
     """A model with an HF-like `config` (any attributes) and, optionally, a token embedding of `vocab` rows."""
 

@@ -106,6 +106,7 @@ class _CaptureBackend(TtftcBackend):
         self.flat_names: list[Optional[str]] = []
         self.graph: Optional[fx.GraphModule] = None
         self.live: tuple[int, ...] = ()
+        self.aot_input_count: Optional[int] = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         own = len(dict(gm.named_parameters(remove_duplicate=False)))
@@ -124,6 +125,7 @@ class _CaptureBackend(TtftcBackend):
             names = self.flat_names if num_aot_inputs == len(self.flat_names) else [None] * num_aot_inputs
             self.observe(aten_gm, names)
         if self.compile_graph:
+            self.aot_input_count = num_aot_inputs
             run = super()._compile_real(aten_gm, inputs, num_aot_inputs)
             self.graph = run.graph_module
             self.live = tuple(run.live_inputs)
@@ -149,7 +151,15 @@ def capture_graph(model: torch.nn.Module, signature: GraphSignature, config: Con
     backend = _CaptureBackend(config)
     tensors = example_inputs(signature, device, adapter)
     _trace(adapter, backend, tensors, dynamic=False)  # returns only once the backend has compiled a graph
-    names = [backend.flat_names[i] if i < len(backend.flat_names) else None for i in backend.live]
+    if backend.aot_input_count != len(backend.flat_names):
+        # AOTAutograd flattens a tensor subclass (e.g. a quantised weight) into several inputs, so its positions no
+        # longer line up with Dynamo's, and naming them by position could feed one prompt tensor as another.
+        raise RuntimeError(
+            f"the prefill graph takes {backend.aot_input_count} inputs after AOTAutograd where Dynamo's took "
+            f"{len(backend.flat_names)}, so ttftc cannot tell which prompt tensor each one is. Tensor subclasses "
+            "(e.g. quantised weights) cause this: use plain tensors, or Config(buckets=None)."
+        )
+    names = [backend.flat_names[i] for i in backend.live]
     if any(n not in tensors for n in names):
         raise RuntimeError(
             f"the prefill graph reads inputs other than the prompt tensors ({names}); it cannot run without "
