@@ -231,10 +231,14 @@ def _attention_reason_cases():
             ((q, k[..., :8], v), misfit),  # head dims differ
             ((q, k, v[:, :, :7]), misfit),  # key and value lengths differ
             ((q, k[:1], v[:1]), misfit),  # batch sizes differ
+            # q [2, 4, 10, 12] and v [2, 2, 9, 12]: no other size of either is 12 or 16
+            (_qkv(2, 4, 2, 10, 9, 12, dv=16), "head dims 12, 16 are not multiples of 8"),
+            (_qkv(2, 4, 2, 10, 9, 16, dv=12), "head dims 16, 12 are not multiples of 8"),
+            (tuple(t.to("meta") for t in (q, k, v)), "tensors are not on the CPU"),
             ((q, k, v), None)]
 
 
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(len(_attention_reason_cases())))
 def test_attention_reason_names_each_misfit(case):
     tensors, reason = _attention_reason_cases()[case]
     assert _native.attention_reason(*tensors) == reason
@@ -243,6 +247,31 @@ def test_attention_reason_names_each_misfit(case):
 def test_attention_reason_without_the_extension_says_why(monkeypatch):
     monkeypatch.setattr(_native, "unavailable_reason", lambda: "the native kernels are not built")
     assert _native.attention_reason(*_qkv(1, 2, 2, 8, 8, 16)) == "the native kernels are not built"
+
+
+def test_without_the_extension_there_is_no_isa_and_no_native_attention_dtype(monkeypatch):
+    monkeypatch.setattr(_native, "_load", lambda: (None, "no native module in this build"))
+    assert _native.isa() is None
+    assert _native.attention_dtypes() == ()
+
+
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+def test_the_native_attention_runs_bf16_only_with_avx512_bf16(isa):
+    if isa not in native_isas_here():
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    previous = _native.set_isa(isa)
+    try:
+        bf16 = (torch.bfloat16,) if isa == "avx512_bf16" else ()
+        assert _native.attention_dtypes() == (torch.float32, *bf16)
+    finally:
+        _native.set_isa(previous)
+
+
+def test_native_calls_are_named_ranges_in_the_torch_profiler():
+    q, k, v = _qkv(1, 2, 2, 8, 8, 16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        _run(q, k, v, causal=True)
+    assert "ttftc_native::attention" in {event.name for event in profile.events()}
 
 
 def test_blocks_of_one_key_and_no_queries_are_valid():

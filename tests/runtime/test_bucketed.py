@@ -251,6 +251,23 @@ def test_a_prompt_run_without_use_cache_has_a_graph_without_kv():
     assert torch.equal(without.logits, with_kv.logits)
 
 
+class _TinyLMWindowedCache(_TinyLM):
+    """_TinyLM whose cache keeps only the last 4 positions, as a sliding-window cache does: padded, it would keep
+    padding's keys. Its logits alone would be safe to pad."""
+
+    def forward(self, input_ids, position_ids=None, use_cache=True):
+        out = super().forward(input_ids, position_ids, use_cache)
+        if use_cache:
+            out.past_key_values = tuple((k[:, :, -4:], v[:, :, -4:]) for k, v in out.past_key_values)
+        return out
+
+
+def test_the_plan_checks_the_kv_outputs_too():
+    bucketed = compile_bucketed(_TinyLMWindowedCache().eval(), ttftc.Config(buckets=(16,)), cache=None)
+    assert not bucketed.plan.safe
+    assert "slices the sequence axis" in bucketed.plan.reason, bucketed.plan.reason
+
+
 class _RecordingBackend:
     """Stands in for TtftcBackend: keeps its config and, per graph it is handed, whether the graph's sizes are
     symbolic; runs the graph as it is."""
