@@ -268,6 +268,21 @@ def test_the_plan_checks_the_kv_outputs_too():
     assert "slices the sequence axis" in bucketed.plan.reason, bucketed.plan.reason
 
 
+def test_the_plan_keeps_the_callers_notes():
+    from ttftc.buckets.capture import analyse_padding
+
+    plan = analyse_padding(_TinyLM().eval(), (16,), torch.device("cpu"), notes=("a note",))
+    assert plan.safe and plan.notes == ("a note",)
+
+
+def test_a_plan_that_cannot_name_the_token_ids_is_refused():
+    from ttftc.buckets.capture import analyse_padding
+
+    plan = analyse_padding(_Subclassed().eval(), (16,), torch.device("cpu"), notes=("a note",))
+    assert (plan.safe, plan.buckets, plan.reason, plan.notes) == (
+        False, (16,), "could not find the token ids among the graph inputs", ("a note",))
+
+
 class _RecordingBackend:
     """Stands in for TtftcBackend: keeps its config and, per graph it is handed, whether the graph's sizes are
     symbolic; runs the graph as it is."""
@@ -343,28 +358,31 @@ def test_a_model_that_updates_its_own_state_cannot_be_captured():
     assert str(raised.value) == message
 
 
-def test_a_model_with_tensor_subclass_weights_is_refused_not_misnamed():
-    from torch.testing._internal.two_tensor import TwoTensor
+class _Subclassed(torch.nn.Module):
+    """A model with a tensor-subclass weight, which AOTAutograd flattens into two inputs, shifting every later input's
+    position by one."""
 
+    def __init__(self):
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+        weight = torch.randn(4, 4)
+        self.proj = torch.nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
+
+    def forward(self, input_ids):
+        return self.embed(input_ids) @ self.proj
+
+
+def test_a_model_with_tensor_subclass_weights_is_refused_not_misnamed():
     from ttftc.buckets.capture import capture_graph
     from ttftc.buckets.program import GraphSignature
-
-    class Subclassed(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(16, 4)
-            weight = torch.randn(4, 4)
-            # AOTAutograd flattens it into two inputs, shifting every later input's position by one
-            self.proj = torch.nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
-
-        def forward(self, input_ids):
-            return self.embed(input_ids) @ self.proj
 
     message = ("the prefill graph takes 4 inputs after AOTAutograd where Dynamo's took 3, so ttftc cannot tell "
                "which prompt tensor each one is. Tensor subclasses (e.g. quantised weights) cause this: use plain "
                "tensors, or Config(buckets=None).")
     with pytest.raises(RuntimeError) as raised:
-        capture_graph(Subclassed().eval(), GraphSignature(8), ttftc.Config(), torch.device("cpu"))
+        capture_graph(_Subclassed().eval(), GraphSignature(8), ttftc.Config(), torch.device("cpu"))
     assert str(raised.value) == message
 
 
