@@ -283,6 +283,31 @@ def test_a_plan_that_cannot_name_the_token_ids_is_refused():
         False, (16,), "could not find the token ids among the graph inputs", ("a note",))
 
 
+class _GraphBreaking(_TinyLM):
+    def forward(self, input_ids, position_ids=None, use_cache=True):
+        torch._dynamo.graph_break()
+        return super().forward(input_ids, position_ids, use_cache)
+
+
+def test_a_model_that_does_not_trace_as_one_graph_is_refused():
+    from ttftc.buckets.capture import analyse_padding
+
+    plan = analyse_padding(_GraphBreaking().eval(), (16,), torch.device("cpu"), notes=("a note",))
+    assert (plan.safe, plan.buckets, plan.notes) == (False, (16,), ("a note",))
+    assert plan.reason.startswith("tracing with a symbolic length failed: Unsupported: "), plan.reason
+
+
+def test_the_padding_analysis_traces_without_compiling(monkeypatch):
+    from ttftc.buckets.capture import analyse_padding
+    from ttftc.dynamo_backend import TtftcBackend
+
+    def compile_refused(*args):
+        raise AssertionError("the padding analysis compiled its graph")
+
+    monkeypatch.setattr(TtftcBackend, "_compile_real", compile_refused)
+    assert analyse_padding(_TinyLM().eval(), (16,), torch.device("cpu")).safe
+
+
 class _RecordingBackend:
     """Stands in for TtftcBackend: keeps its config and, per graph it is handed, whether the graph's sizes are
     symbolic; runs the graph as it is."""
