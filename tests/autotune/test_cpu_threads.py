@@ -38,6 +38,15 @@ def test_usable_cores_follow_the_affinity_else_the_cpu_count(monkeypatch):
     assert _threads.usable_cores() == 1
 
 
+def test_a_config_thread_count_is_at_least_one_and_an_int_not_a_bool():
+    assert _threads.threads_of({"num_threads": 0}) == 1
+    assert _threads.threads_of({"num_threads": 1}) == 1
+    for bad in (True, 2.0):
+        with pytest.raises(TypeError) as refused:
+            _threads.threads_of({"num_threads": bad})
+        assert str(refused.value) == f"tuning_config['num_threads'] must be an int or None, got {bad!r}"
+
+
 def test_intra_op_threads_sets_and_restores_even_on_error():
     before = torch.get_num_threads()
     other = _other_count()

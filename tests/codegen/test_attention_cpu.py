@@ -185,6 +185,8 @@ def test_the_output_is_in_the_flash_kernels_layout():
     strided = torch.randn(2, 4, 5, 16)  # [B, H, S, D] contiguous: copied into the flash layout
     assert cpu_attention._in_flash_layout(strided).transpose(1, 2).is_contiguous()
     torch.testing.assert_close(cpu_attention._in_flash_layout(strided), strided, atol=0, rtol=0)
+    flash = strided.transpose(1, 2).contiguous().transpose(1, 2)
+    assert cpu_attention._in_flash_layout(flash) is flash  # already in the layout: not copied
 
 
 def test_capability():

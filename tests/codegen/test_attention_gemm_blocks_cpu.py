@@ -76,6 +76,23 @@ def test_without_a_tuned_kernel_the_measured_faster_one_runs(monkeypatch):
     assert ran == ["gemm_blocks"]  # flash this time
 
 
+def test_the_untuned_kernel_is_the_one_measured_for_the_querys_dtype(monkeypatch):
+    asked = []
+    monkeypatch.setattr(cpu_attention, "fastest_kernel", lambda dtype: asked.append(dtype) or "flash")
+    attention_cpu(*_qkv(1, 4, 2, 12, 16, torch.bfloat16), causal=True, scale=0.25)
+    assert asked and set(asked) == {torch.bfloat16}
+
+
+def test_gemm_blocks_take_grouped_heads_whatever_the_query_count(monkeypatch):
+    ran = []
+    real = cpu_attention._causal_gemm_blocks
+    monkeypatch.setattr(cpu_attention, "_causal_gemm_blocks", lambda *a: ran.append("gemm_blocks") or real(*a))
+    q, k, v = _qkv(1, 4, 2, 9, 16, torch.float32)  # 9 queries: not a multiple of the 2 kv heads
+    out = attention_cpu(q, k, v, causal=True, scale=0.3, tuning_config={"kernel": "gemm_blocks"})
+    assert ran == ["gemm_blocks"]
+    torch.testing.assert_close(out.double(), _reference(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
+
+
 def test_the_default_kernel_is_the_fastest_measured_for_each_dtype(monkeypatch):
     monkeypatch.setattr(cpu_attention, "kernel_seconds",
                         lambda dtype: {"flash": 2.0, "gemm_blocks": 3.0, "native": 1.0} if dtype == torch.float32
