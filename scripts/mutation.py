@@ -199,8 +199,12 @@ def run_group(name: str, jobs: int, fresh: bool, retest_survivors: bool, minutes
     # besides its CPU-time limit, mutmut stops a mutant after (estimated time + timeout_constant) x
     # timeout_multiplier of wall time, which a paused or starved run exceeds; --retest-timeouts runs those again.
     retry = ({"survived", "no tests"} if retest_survivors else set()) | ({"timeout"} if retest_timeouts else set())
-    again = [m for statuses in results(name).values() for m, s in statuses.items() if s in retry]
-    print(f"== {name}: mutmut in {root}" + (f", retrying {len(again)} mutants ({', '.join(sorted(retry))})"
+    # A listed equivalent survives any test by its reason, and retrying one costs every test that reaches it.
+    equivalent = equivalent_mutants()
+    again = [m for statuses in results(name).values() for m, s in statuses.items()
+             if s in retry and m not in equivalent]
+    print(f"== {name}: mutmut in {root}" + (f", retrying {len(again)} mutants ({', '.join(sorted(retry))}; not "
+                                            f"the listed equivalents)"
                                             if again else ""), flush=True)
     if retry and not again:
         return 0
@@ -370,7 +374,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fresh", action="store_true",
                         help="drop earlier results of these groups first (the scratch copy's and the committed ones)")
     parser.add_argument("--retest-survivors", action="store_true",
-                        help="run the surviving mutants of earlier runs again (after adding tests)")
+                        help="run the surviving mutants of earlier runs again (after adding tests), except the "
+                             "listed equivalents")
     parser.add_argument("--retest-timeouts", action="store_true",
                         help="run the mutants that timed out again (a paused or busy machine can time a run out)")
     parser.add_argument("--minutes", type=float, default=None,
