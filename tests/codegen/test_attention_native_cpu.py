@@ -231,7 +231,7 @@ def _attention_reason_cases():
             ((q, k[..., :8], v), misfit),  # head dims differ
             ((q, k, v[:, :, :7]), misfit),  # key and value lengths differ
             ((q, k[:1], v[:1]), misfit),  # batch sizes differ
-            # q [2, 4, 10, 12] and v [2, 2, 9, 12]: no other size of either is 12 or 16
+            # q [2, 4, 10, D] and v [2, 2, 9, Dv]: no size but the head dims is 12 or 16
             (_qkv(2, 4, 2, 10, 9, 12, dv=16), "head dims 12, 16 are not multiples of 8"),
             (_qkv(2, 4, 2, 10, 9, 16, dv=12), "head dims 16, 12 are not multiples of 8"),
             (tuple(t.to("meta") for t in (q, k, v)), "tensors are not on the CPU"),
