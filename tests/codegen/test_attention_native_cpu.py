@@ -255,16 +255,9 @@ def test_without_the_extension_there_is_no_isa_and_no_native_attention_dtype(mon
     assert _native.attention_dtypes() == ()
 
 
-@pytest.mark.parametrize("isa", NATIVE_ISAS)
-def test_the_native_attention_runs_bf16_only_with_avx512_bf16(isa):
-    if isa not in native_isas_here():
-        pytest.skip(f"this CPU does not run the {isa} kernels")
-    previous = _native.set_isa(isa)
-    try:
-        bf16 = (torch.bfloat16,) if isa == "avx512_bf16" else ()
-        assert _native.attention_dtypes() == (torch.float32, *bf16)
-    finally:
-        _native.set_isa(previous)
+def test_the_native_attention_runs_bf16_only_with_avx512_bf16(native_isa):
+    bf16 = (torch.bfloat16,) if native_isa == "avx512_bf16" else ()
+    assert _native.attention_dtypes() == (torch.float32, *bf16)
 
 
 def test_native_calls_are_named_ranges_in_the_torch_profiler():
