@@ -362,25 +362,112 @@ def test_compiled_graphs_make_one_dynamic_runner_per_output_kind(monkeypatch):
     assert made == [(model, config, "last", False), (model, config, "all", True)]
 
 
-def test_a_model_that_updates_its_own_state_cannot_be_captured():
+class _Counting(torch.nn.Module):
+    """Updates a plain tensor attribute (neither parameter nor buffer) at each call: a graph input under Dynamo."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+        self.calls = torch.ones(4)
+
+    def forward(self, input_ids):
+        self.calls.add_(1)
+        return self.embed(input_ids) * self.calls
+
+
+_GLOBAL_SHIFT = torch.ones(4)
+
+
+class _ReadsAGlobal(torch.nn.Module):
+    """Reads a tensor from a global variable, which Dynamo also passes in as a graph input."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids):
+        return self.embed(input_ids) + _GLOBAL_SHIFT
+
+
+@pytest.mark.parametrize("model, names", [(_Counting, "[None, 'input_ids']"), (_ReadsAGlobal, "['input_ids', None]")])
+def test_a_model_that_reads_state_outside_its_weights_cannot_be_captured(model, names):
     from ttftc.buckets.capture import capture_graph
     from ttftc.buckets.program import GraphSignature
 
-    class Counting(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(16, 4)
-            self.calls = torch.ones(4)  # a plain tensor, neither parameter nor buffer: a graph input under Dynamo
-
-        def forward(self, input_ids):
-            self.calls.add_(1)
-            return self.embed(input_ids) * self.calls
-
-    message = ("the prefill graph reads inputs other than the prompt tensors ([None, 'input_ids']); it cannot run "
-               "without Dynamo. This happens when a model keeps mutable state (e.g. a static cache) inside the module.")
+    message = (f"the prefill graph reads inputs other than the prompt tensors ({names}); it cannot run without "
+               "Dynamo. This happens when a model keeps mutable state (e.g. a static cache) inside the module, or "
+               "reads a tensor from a global variable: register such a tensor as a buffer of the model, or use "
+               "Config(buckets=None).")
     with pytest.raises(RuntimeError) as raised:
-        capture_graph(Counting().eval(), GraphSignature(8), ttftc.Config(), torch.device("cpu"))
+        capture_graph(model().eval(), GraphSignature(8), ttftc.Config(), torch.device("cpu"))
     assert str(raised.value) == message
+
+
+class _ReadsAGlobalLM(_TinyLM):
+    """_TinyLM plus a shift read from a global variable."""
+
+    def forward(self, input_ids, position_ids=None, use_cache=True):
+        out = super().forward(input_ids, position_ids, use_cache)
+        out.logits = out.logits + _GLOBAL_SHIFT.sum()
+        return out
+
+
+def test_weights_and_globals_that_dynamo_installs_on_the_graph_are_not_taken_for_prompt_tensors():
+    # With install_free_tensors, Dynamo makes weights and globals attributes of its graph, and AOTAutograd passes
+    # them in ahead of the prompt tensors: the capture must count them to name the prompt tensors right.
+    model = _ReadsAGlobalLM().eval()
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch._dynamo.config.patch(install_free_tensors=True):
+        bucketed = compile_bucketed(model, ttftc.Config(buckets=(16,), precision="fp32"), cache=None)
+        assert bucketed.plan.safe, bucketed.plan.reason
+        out = bucketed(ids)
+    positions = torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        expected = model(ids, positions)
+    assert out.bucket == 16
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.past_key_values[0][0], expected.past_key_values[0][0])
+
+
+class _TinyLMCacheOff(_TinyLM):
+    """_TinyLM whose forward leaves the cache off unless asked, as an HF model whose config says use_cache=False."""
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        return super().forward(input_ids, position_ids, use_cache)
+
+
+def test_the_callers_use_cache_wins_over_the_models_default():
+    model = _TinyLMCacheOff().eval()
+    bucketed = compile_bucketed(model, ttftc.Config(buckets=(16,), precision="fp32"), cache=None)
+    ids = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(0))
+    out = bucketed(ids, use_cache=True)
+    with torch.no_grad():
+        expected = model(ids, torch.arange(5)[None], use_cache=True)
+    (keys, values), = out.past_key_values
+    torch.testing.assert_close(keys, expected.past_key_values[0][0])
+    torch.testing.assert_close(values, expected.past_key_values[0][1])
+    assert bucketed(ids, use_cache=False).past_key_values is None
+
+
+def test_graph_inputs_without_a_dynamo_source_stay_unnamed():
+    import torch.fx as fx
+
+    from ttftc.buckets.capture import _Captured, _CaptureBackend
+
+    class Add(torch.nn.Module):
+        def forward(self, a, b, c):
+            return (a + b + c,)
+
+    gm = fx.symbolic_trace(Add())
+    first, second, _ = [n for n in gm.graph.nodes if n.op == "placeholder"]  # the third has no grapharg at all
+    first.meta["grapharg"] = SimpleNamespace(source=SimpleNamespace(name="L['input_ids']"))
+    second.meta["grapharg"] = SimpleNamespace(source=None)
+    seen = []
+    backend = _CaptureBackend(ttftc.Config(passes=()), observe=lambda graph, names: seen.append(names),
+                              compile_graph=False)
+    with pytest.raises(_Captured):
+        backend(gm, [torch.ones(2), torch.ones(2), torch.ones(2)])
+    assert seen == [["input_ids", None, None]]
 
 
 class _Subclassed(torch.nn.Module):

@@ -163,7 +163,9 @@ def capture_graph(model: torch.nn.Module, signature: GraphSignature, config: Con
     if any(n not in tensors for n in names):
         raise RuntimeError(
             f"the prefill graph reads inputs other than the prompt tensors ({names}); it cannot run without "
-            "Dynamo. This happens when a model keeps mutable state (e.g. a static cache) inside the module."
+            "Dynamo. This happens when a model keeps mutable state (e.g. a static cache) inside the module, or reads "
+            "a tensor from a global variable: register such a tensor as a buffer of the model, or use "
+            "Config(buckets=None)."
         )
     gm = backend.graph
     _drop_unused_constants(gm)
