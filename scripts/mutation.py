@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import libcst as cst  # mutmut's own parser, installed with it
+
 REPO = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = REPO / "scripts" / "mutation_equivalent.toml"
 # Each group's results, committed: mutmut keeps its own in the scratch copy (/tmp), which a new machine does not have.
@@ -85,7 +87,8 @@ GROUPS: dict[str, Group] = {
     ),
     "buckets-model": Group(
         ("ttftc/buckets/capture.py", "ttftc/buckets/compiled.py"),
-        ("tests/runtime/test_bucketed.py",),
+        # test_plan.py: capture.py's analysis front end (adapter, example inputs, analyse_padding's refusals).
+        ("tests/runtime/test_bucketed.py", "tests/buckets/test_plan.py"),
     ),
     "scheduler": Group(
         ("ttftc/runtime/scheduler.py",),
@@ -157,6 +160,9 @@ def prepare(name: str, fresh: bool) -> Path:
             shutil.copy2(entry, target)
     pyproject = root / "pyproject.toml"
     pyproject.write_text(_with_group_config(pyproject.read_text(), GROUPS[name]))
+    for pattern in GROUPS[name].modules:  # rewritten each time, so mutmut makes their mutants again (results stay)
+        for module in root.glob(pattern):
+            module.write_text(undecorated(module.read_text()))
     # mutmut refreshes only the .py files of its own copy (mutants/): the native extension and its C++ sources there
     # would stay as at the first run, and a rebuilt extension's Python side would call a stale binary.
     if (root / "mutants").is_dir():
@@ -168,6 +174,61 @@ def prepare(name: str, fresh: bool) -> Path:
     if not fresh:
         seed_from_ledger(name, root / "mutants")
     return root
+
+
+# -- decorated functions --------------------------------------------------------------------------------------
+# mutmut leaves every decorated function unmutated (only a lone @staticmethod or @classmethod passes), and the
+# lowerings (@register_lowering), the cached capability probes (@functools.cache) and properties are decorated. The
+# scratch copy applies such decorators by assignment after the def instead, which binds the same object to the same
+# name, so mutmut mutates their bodies too.
+
+
+def _decorator_name(decorator: cst.Decorator) -> str:
+    expression = decorator.decorator
+    if isinstance(expression, cst.Call):
+        expression = expression.func
+    parts = []
+    while isinstance(expression, cst.Attribute):
+        parts.append(expression.attr.value)
+        expression = expression.value
+    if isinstance(expression, cst.Name):
+        parts.append(expression.value)
+    return ".".join(reversed(parts))
+
+
+def _keeps_its_decorators(function: cst.FunctionDef) -> bool:
+    names = [_decorator_name(d) for d in function.decorators]
+    return (not names
+            or names in (["staticmethod"], ["classmethod"])  # mutmut mutates these itself
+            or any(n.endswith("jit") for n in names)  # triton.jit compiles the function's own source text
+            # @name.setter needs `name` to be the property still; after the def, it is the bare function
+            or any(n.split(".")[0] == function.name.value for n in names))
+
+
+def _undecorated_body(statements) -> list:
+    out = []
+    for statement in statements:
+        if isinstance(statement, cst.ClassDef):
+            statement = statement.with_changes(body=statement.body.with_changes(
+                body=_undecorated_body(statement.body.body)))
+        if not isinstance(statement, cst.FunctionDef) or _keeps_its_decorators(statement):
+            out.append(statement)
+            continue
+        applied: cst.BaseExpression = statement.name
+        for decorator in reversed(statement.decorators):  # the innermost decorator is applied first
+            applied = cst.Call(func=decorator.decorator, args=[cst.Arg(applied)])
+        comments_above = statement.decorators[0].leading_lines
+        out.append(statement.with_changes(decorators=[], leading_lines=[*comments_above, *statement.leading_lines]))
+        out.append(cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(statement.name)],
+                                                            value=applied)]))
+    return out
+
+
+def undecorated(source: str) -> str:
+    """`source` with each decorated module-level function and method (but those in _keeps_its_decorators) written
+    as a plain def followed by `name = decorator(name)`: the same object under the same name."""
+    module = cst.parse_module(source)
+    return module.with_changes(body=_undecorated_body(module.body)).code
 
 
 def _call(command: list[str], cwd: Path, env: dict, minutes: Optional[float]) -> int:

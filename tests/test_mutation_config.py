@@ -108,3 +108,75 @@ def test_a_ledger_that_is_not_json_is_refused(tmp_path, monkeypatch):
     (tmp_path / "g.json").write_text('{"ttftc/a.py": ')
     with pytest.raises(SystemExit, match="not valid JSON"):
         script.load_ledger("g")
+
+
+_DECORATED = '''
+import functools
+
+calls = []
+
+
+def tag(label):
+    def apply(function):
+        calls.append((label, function.__name__))
+        function.tags = getattr(function, "tags", ()) + (label,)
+        return function
+    return apply
+
+
+# a comment above the decorators stays above the function
+@tag("outer")
+@tag("inner")
+def tagged(x):
+    return x + 1
+
+
+@functools.cache
+def cached(x):
+    return [x]
+
+
+class Box:
+    def __init__(self, value):
+        self._value = value
+
+    @property
+    def value(self):
+        return self._value
+
+    @value.setter
+    def value(self, new):
+        self._value = new
+
+    @staticmethod
+    def static(x):
+        return x * 2
+
+
+@triton.jit
+def kernel(x):
+    return x
+'''
+
+
+def test_the_scratch_copy_applies_decorators_by_assignment_so_mutmut_mutates_the_functions():
+    script = _script()
+    source = _DECORATED.replace("@triton.jit", "@tag('jit')")  # exec has no triton; the rename is checked below
+    rewritten = script.undecorated(source)
+    assert "@tag(\"outer\")" not in rewritten and "@functools.cache" not in rewritten and "    @property" not in rewritten
+    assert 'tagged = tag("outer")(tag("inner")(tagged))' in rewritten
+    assert "cached = functools.cache(cached)" in rewritten and "    value = property(value)" in rewritten
+    assert "# a comment above the decorators stays above the function\ndef tagged(x):" in rewritten
+    assert "    @value.setter" in rewritten and "    @staticmethod" in rewritten  # these keep their decorators
+    assert "@triton.jit\ndef kernel(x):" in script.undecorated(_DECORATED)  # Triton compiles its source text
+    original, plain = {}, {}
+    exec(source, original)
+    exec(rewritten, plain)
+    for namespace in (original, plain):
+        assert namespace["calls"] == [("inner", "tagged"), ("outer", "tagged"), ("jit", "kernel")]
+        assert namespace["tagged"](1) == 2 and namespace["tagged"].tags == ("inner", "outer")
+        assert namespace["cached"](3) is namespace["cached"](3)
+        box = namespace["Box"](5)
+        box.value = 7
+        assert box.value == 7 and namespace["Box"].static(2) == 4
+    assert script.undecorated(rewritten) == rewritten  # nothing decorated is left to rewrite

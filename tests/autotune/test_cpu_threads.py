@@ -205,3 +205,10 @@ def test_compile_applies_the_cached_count_unless_config_autotune_is_off(tmp_path
     assert backend.report().providers == {"int8_linear": {"cpu": 1}}
     torch.testing.assert_close(out, torch.ops.ttftc.int8_linear(x, None, w, s, out_dtype=torch.float32))
 
+
+
+@pytest.mark.parametrize("backend, per_thread", [("OpenMP", True), ("native thread pool", False)])
+def test_the_thread_count_is_per_thread_only_under_openmp(monkeypatch, backend, per_thread):
+    info = f"ATen/Parallel:\n\tat::get_num_threads() : 2\nATen parallel backend: {backend}\n"
+    monkeypatch.setattr(torch.__config__, "parallel_info", lambda: info)
+    assert _threads.count_is_per_thread.__wrapped__() is per_thread  # the uncached body

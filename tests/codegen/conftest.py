@@ -59,3 +59,17 @@ def switch_native(monkeypatch, mode: str, modules, kernels) -> list:
         real = getattr(_native, name)
         monkeypatch.setattr(_native, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     return calls
+
+
+def record_linear_2d(monkeypatch, module) -> list:
+    """Replace `module.linear_2d` by the real GEMM that also records each call's options ({"gemm", "n_block"})."""
+    from ttftc.codegen.cpu._blas import linear_2d
+
+    calls = []
+
+    def record(x, w, b=None, n_block=0, *, gemm="blas"):
+        calls.append({"gemm": gemm, "n_block": n_block})
+        return linear_2d(x, w, b, n_block, gemm=gemm)
+
+    monkeypatch.setattr(module, "linear_2d", record)
+    return calls

@@ -59,3 +59,30 @@ def test_a_refused_mallopt_is_reported(monkeypatch):
     monkeypatch.setattr(_allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(_allocator.ctypes, "CDLL", lambda *a: RefusingLibc())
     assert "refused" in configure()
+
+
+def test_an_unnamed_c_library_is_called_unknown(monkeypatch):
+    monkeypatch.delenv(_allocator.OPT_OUT_VARIABLE, raising=False)
+    monkeypatch.setattr(_allocator.platform, "libc_ver", lambda: ("", ""))
+    assert configure() == "malloc: left as it is (C library unknown, not glibc)"
+
+
+@pytest.mark.parametrize("found, opened", [("libc.so.7", "libc.so.7"), (None, "libc.so.6")])
+def test_the_c_library_is_the_one_found_else_glibcs_usual_name(monkeypatch, found, opened):
+    looked_up, loaded = [], []
+
+    class Libc:
+        @staticmethod
+        def mallopt(parameter, value):
+            return 1
+
+    def cdll(name):
+        loaded.append(name)
+        return Libc()
+
+    monkeypatch.delenv(_allocator.OPT_OUT_VARIABLE, raising=False)
+    monkeypatch.setattr(_allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(_allocator.ctypes.util, "find_library", lambda name: looked_up.append(name) or found)
+    monkeypatch.setattr(_allocator.ctypes, "CDLL", cdll)
+    assert "reused, not unmapped" in configure()
+    assert looked_up == ["c"] and loaded == [opened]

@@ -180,3 +180,10 @@ def test_the_default_kernel_is_the_fastest_for_the_querys_dtype_where_it_applies
     assert cpu_attention._default_config(_problem(q_offset=8, dtype=torch.bfloat16))["kernel"] == "flash"
     assert cpu_attention._default_config(_problem(window=4, dtype=torch.bfloat16))["kernel"] == "flash"
     assert cpu_attention._default_config(_problem(q_offset=8, dtype=torch.float32))["kernel"] == "native"
+
+
+def test_kernel_seconds_times_each_kernel_that_can_run_the_dtype_in_that_dtype(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_kernel_seconds", lambda kernel, dtype: (kernel, dtype))
+    monkeypatch.setattr(cpu_attention, "kernels_for", lambda dtype: {torch.bfloat16: ("flash", "native")}.get(dtype, ()))
+    measure = cpu_attention.kernel_seconds.__wrapped__  # the uncached body: the cached one measures once per process
+    assert measure(torch.bfloat16) == {"flash": ("flash", torch.bfloat16), "native": ("native", torch.bfloat16)}

@@ -329,3 +329,30 @@ def test_set_isa_without_the_module_says_why(monkeypatch):
     with pytest.raises(RuntimeError) as refused:
         _native.set_isa("base")
     assert str(refused.value) == "no native module in this build"
+
+
+@pytest.mark.parametrize("runtime", ["/opt/lib/libgomp.so.1", None])
+def test_the_kernels_join_torchs_openmp_runtime_where_there_is_one(monkeypatch, runtime):
+    module = pytest.importorskip("ttftc.codegen.cpu._native_kernels")
+    joined = []
+    _native._load.cache_clear()
+    try:
+        monkeypatch.setattr(module, "use_openmp", joined.append)
+        monkeypatch.setattr(_native, "_loaded_openmp", lambda: runtime)
+        assert _native._load() == (module, None)
+    finally:
+        monkeypatch.undo()
+        _native._load.cache_clear()
+    assert joined == ([runtime] if runtime else [])
+
+
+def test_a_build_from_other_sources_names_the_rebuild(monkeypatch):
+    pytest.importorskip("ttftc.codegen.cpu._native_kernels")
+    _native._load.cache_clear()
+    try:
+        monkeypatch.setattr(_native, "source_digest", lambda directory=_native.CSRC: "0" * 64)
+        assert _native.unavailable_reason() == (
+            "native kernels were built from other sources than csrc/ holds now; rebuild: pip install -e .")
+    finally:
+        monkeypatch.undo()
+        _native._load.cache_clear()

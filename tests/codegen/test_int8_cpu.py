@@ -258,3 +258,24 @@ def test_every_capability_refusal_names_its_reason(monkeypatch):
     assert "cuda" in cpu._gated_reason(LoweringContext("cuda", None), x, None, w_gu, s_gu, w_d, s_d, **gated)
     monkeypatch.delattr(torch, "_int_mm")
     assert linear(CPU, x, None, w, s, **ok) == "this torch has no torch._int_mm"
+
+
+def _torch_with(available: bool, ops: tuple):
+    """A stand-in for the torch module as onednn_u8_reason reads it: oneDNN available or not, and these ops."""
+    from types import SimpleNamespace
+
+    onednn = SimpleNamespace(**dict.fromkeys(ops, object())) if ops is not None else None
+    return SimpleNamespace(backends=SimpleNamespace(mkldnn=SimpleNamespace(is_available=lambda: available)),
+                           ops=SimpleNamespace(onednn=onednn) if onednn is not None else SimpleNamespace())
+
+
+@pytest.mark.parametrize("available, ops, reason", [
+    (False, ("qlinear_prepack", "qlinear_pointwise"), "this torch build has no oneDNN"),
+    (True, None, "this torch build has no torch.ops.onednn.qlinear_prepack"),
+    (True, ("qlinear_prepack",), "this torch build has no torch.ops.onednn.qlinear_pointwise"),
+    (True, ("qlinear_pointwise",), "this torch build has no torch.ops.onednn.qlinear_prepack"),
+    (True, ("qlinear_prepack", "qlinear_pointwise"), None),
+])
+def test_the_onednn_int8_probe_names_what_the_build_lacks(monkeypatch, available, ops, reason):
+    monkeypatch.setattr(cpu, "torch", _torch_with(available, ops))
+    assert cpu.onednn_u8_reason.__wrapped__() == reason  # the uncached body

@@ -189,3 +189,16 @@ def test_capability_rule_of_every_cpu_gemm():
     assert entry.unsupported_reason(CPU, x, w) is None
     assert "bias" in entry.unsupported_reason(CPU, x, w, b[None])
     assert "bias" in entry.unsupported_reason(CPU, x, w, b.half())
+
+
+@pytest.mark.parametrize("available, native_bf16, dtype, reason", [
+    (False, True, torch.float32, "this torch build has no oneDNN"),
+    (True, True, torch.float16, "oneDNN GEMM path covers ['torch.float32', 'torch.bfloat16'], not torch.float16"),
+    (True, False, torch.bfloat16, "this CPU has no native bf16 for oneDNN"),
+    (True, False, torch.float32, None),
+    (True, True, torch.bfloat16, None),
+])
+def test_the_onednn_probe_names_what_the_build_or_the_cpu_lacks(monkeypatch, available, native_bf16, dtype, reason):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: available)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native_bf16)
+    assert onednn_reason.__wrapped__(dtype) == reason  # the uncached body: the cached one asks once per process

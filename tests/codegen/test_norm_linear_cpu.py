@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from tests.codegen.conftest import switch_native
+from tests.codegen.conftest import record_linear_2d, switch_native
 from tests.helpers import TOLERANCES
 from ttftc.codegen.cpu import norm as cpu_norm
 from ttftc.codegen.cpu.norm import native_norm_fits, norm_cpu
@@ -178,3 +178,17 @@ def test_norm_capability_reasons():
     assert "norm bias shape" in fused.unsupported_reason(CPU, x, norm_w, norm_b[:7], w, None, res, **ok)
     assert "not a finite non-negative number" in fused.unsupported_reason(CPU, x, norm_w, norm_b, w, kind="layer",
                                                                           eps=-1.0)
+
+
+@pytest.mark.parametrize("tuning", [{"gemm": "blas", "n_block": 16}, {"gemm": "onednn", "n_block": 0}, None])
+def test_the_norm_linear_gemm_runs_with_the_tuned_options_else_the_dtypes_defaults(monkeypatch, tuning):
+    from ttftc.codegen.cpu import norm_linear as cpu_norm_linear
+    from ttftc.codegen.cpu._blas import gemm_options
+
+    options = gemm_options(tuning, torch.float32)
+    if tuning is not None and options["gemm"] != tuning["gemm"]:
+        pytest.skip(f"this build cannot run {tuning}")
+    calls = record_linear_2d(monkeypatch, cpu_norm_linear)
+    x, norm_w, w = torch.randn(2, 3, 16), torch.randn(16), torch.randn(24, 16)
+    out, _ = norm_linear_cpu(x, norm_w, None, w, kind="rms", eps=1e-6, tuning_config=tuning)
+    assert calls == [options] and out.shape == (2, 3, 24)
