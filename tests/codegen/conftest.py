@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ttftc.codegen.cpu import _native
 
@@ -73,3 +74,16 @@ def record_linear_2d(monkeypatch, module) -> list:
 
     monkeypatch.setattr(module, "linear_2d", record)
     return calls
+
+
+GEMM_TUNINGS = [{"gemm": "blas", "n_block": 16}, {"gemm": "onednn", "n_block": 0}, None]  # None: the dtype's defaults
+
+
+def fp32_gemm_options_or_skip(tuning) -> dict:
+    """The GEMM options an fp32 lowering should pass for `tuning`; skips where this build cannot run the tuned one."""
+    from ttftc.codegen.cpu._blas import gemm_options
+
+    options = gemm_options(tuning, torch.float32)
+    if tuning is not None and options["gemm"] != tuning["gemm"]:
+        pytest.skip(f"this build cannot run {tuning}")
+    return options

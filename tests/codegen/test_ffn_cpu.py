@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import ttftc
 from tests.helpers import TOLERANCES, assert_logits_match, needs_transformers
 from ttftc import zoo
-from tests.codegen.conftest import record_linear_2d, switch_native
+from tests.codegen.conftest import GEMM_TUNINGS, fp32_gemm_options_or_skip, record_linear_2d, switch_native
 from ttftc.codegen.cpu import ffn as cpu_ffn
 from ttftc.codegen.cpu.ffn import gated_ffn_cpu, linear_act_cpu
 from ttftc.codegen.lowering import LoweringContext, lower_graph, lowerings_for
@@ -187,13 +187,9 @@ def test_every_gemm_config_gives_the_reference_numbers(tuning):
                                linear_act(x, w_gu, b_gu, act="gelu"), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tuning", [{"gemm": "blas", "n_block": 16}, {"gemm": "onednn", "n_block": 0}, None])
+@pytest.mark.parametrize("tuning", GEMM_TUNINGS)
 def test_the_ffn_gemms_run_with_the_tuned_options_else_the_dtypes_defaults(monkeypatch, tuning):
-    from ttftc.codegen.cpu._blas import gemm_options
-
-    options = gemm_options(tuning, torch.float32)
-    if tuning is not None and options["gemm"] != tuning["gemm"]:
-        pytest.skip(f"this build cannot run {tuning}")
+    options = fp32_gemm_options_or_skip(tuning)
     calls = record_linear_2d(monkeypatch, cpu_ffn)
     x, w_gu, w_d, b_gu, b_d = _weights(torch.float32, bias=True)
     gated_ffn_cpu(x, w_gu, w_d, b_gu, b_d, act="silu", tuning_config=tuning)

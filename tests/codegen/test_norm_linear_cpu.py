@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from tests.codegen.conftest import record_linear_2d, switch_native
+from tests.codegen.conftest import GEMM_TUNINGS, fp32_gemm_options_or_skip, record_linear_2d, switch_native
 from tests.helpers import TOLERANCES
 from ttftc.codegen.cpu import norm as cpu_norm
 from ttftc.codegen.cpu.norm import native_norm_fits, norm_cpu
@@ -180,14 +180,10 @@ def test_norm_capability_reasons():
                                                                           eps=-1.0)
 
 
-@pytest.mark.parametrize("tuning", [{"gemm": "blas", "n_block": 16}, {"gemm": "onednn", "n_block": 0}, None])
+@pytest.mark.parametrize("tuning", GEMM_TUNINGS)
 def test_the_norm_linear_gemm_runs_with_the_tuned_options_else_the_dtypes_defaults(monkeypatch, tuning):
     from ttftc.codegen.cpu import norm_linear as cpu_norm_linear
-    from ttftc.codegen.cpu._blas import gemm_options
-
-    options = gemm_options(tuning, torch.float32)
-    if tuning is not None and options["gemm"] != tuning["gemm"]:
-        pytest.skip(f"this build cannot run {tuning}")
+    options = fp32_gemm_options_or_skip(tuning)
     calls = record_linear_2d(monkeypatch, cpu_norm_linear)
     x, norm_w, w = torch.randn(2, 3, 16), torch.randn(16), torch.randn(24, 16)
     out, _ = norm_linear_cpu(x, norm_w, None, w, kind="rms", eps=1e-6, tuning_config=tuning)
