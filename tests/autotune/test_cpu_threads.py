@@ -212,3 +212,13 @@ def test_the_thread_count_is_per_thread_only_under_openmp(monkeypatch, backend, 
     info = f"ATen/Parallel:\n\tat::get_num_threads() : 2\nATen parallel backend: {backend}\n"
     monkeypatch.setattr(torch.__config__, "parallel_info", lambda: info)
     assert _threads.count_is_per_thread.__wrapped__() is per_thread  # the uncached body
+
+
+@pytest.mark.parametrize("per_thread", [True, False])
+def test_a_shared_thread_count_is_switched_under_the_lock_and_a_per_thread_one_without(monkeypatch, per_thread):
+    monkeypatch.setattr(_threads, "count_is_per_thread", lambda: per_thread)
+    other = 1 if torch.get_num_threads() != 1 else 2
+    with intra_op_threads(other):
+        assert torch.get_num_threads() == other
+        assert _threads._SWITCH_LOCK.locked() is not per_thread
+    assert not _threads._SWITCH_LOCK.locked()

@@ -279,3 +279,24 @@ def _torch_with(available: bool, ops: tuple):
 def test_the_onednn_int8_probe_names_what_the_build_lacks(monkeypatch, available, ops, reason):
     monkeypatch.setattr(cpu, "torch", _torch_with(available, ops))
     assert cpu.onednn_u8_reason.__wrapped__() == reason  # the uncached body
+
+
+def test_the_int8_ffn_runs_row_blocks_of_at_most_row_block_rows_once_each(monkeypatch):
+    torch.manual_seed(2)
+    tokens = 2 * cpu.ROW_BLOCK + 3
+    x = torch.randn(tokens, 64)
+    w_gu, s_gu = _weights(2 * 96, 64, seed=3)
+    w_d, s_d = _weights(64, 96, seed=4)
+    int_mm, rows = torch._int_mm, []
+
+    def counting_int_mm(a, b):
+        rows.append(a.shape[0])
+        return int_mm(a, b)
+
+    monkeypatch.setattr(torch, "_int_mm", counting_int_mm)
+    actual = cpu.gated_ffn_int8_cpu(x, None, w_gu, s_gu, w_d, s_d, act="silu", out_dtype=torch.float32)
+    blocks = [cpu.ROW_BLOCK, cpu.ROW_BLOCK, 3]
+    assert rows == [n for n in blocks for _ in ("gate|up", "down")]  # each block: its gate|up GEMM, then its down
+    monkeypatch.undo()
+    expected = gated_ffn_int8.reference(x, None, w_gu, s_gu, w_d, s_d, act="silu", out_dtype=torch.float32)
+    torch.testing.assert_close(actual, expected, atol=2e-3 * expected.abs().max().item(), rtol=0)

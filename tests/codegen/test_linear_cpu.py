@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ttftc
+from tests.codegen.conftest import GEMM_TUNINGS, fp32_gemm_options_or_skip, record_linear_2d
 from tests.helpers import assert_logits_match, compile_and_run, needs_transformers
 from ttftc import zoo
 from ttftc.autotune.space import Problem, TensorSpec, space_for
@@ -202,3 +203,13 @@ def test_the_onednn_probe_names_what_the_build_or_the_cpu_lacks(monkeypatch, ava
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: available)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native_bf16)
     assert onednn_reason.__wrapped__(dtype) == reason  # the uncached body: the cached one asks once per process
+
+
+@pytest.mark.parametrize("tuning", GEMM_TUNINGS)
+def test_the_linear_gemm_runs_with_the_tuned_options_else_the_dtypes_defaults(monkeypatch, tuning):
+    from ttftc.codegen.cpu import linear as cpu_linear
+
+    options = fp32_gemm_options_or_skip(tuning)
+    calls = record_linear_2d(monkeypatch, cpu_linear)
+    assert linear_cpu(torch.randn(2, 3, 16), torch.randn(24, 16), tuning_config=tuning).shape == (2, 3, 24)
+    assert calls == [options]
