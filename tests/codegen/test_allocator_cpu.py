@@ -58,7 +58,7 @@ def test_a_refused_mallopt_is_reported(monkeypatch):
     monkeypatch.delenv(_allocator.OPT_OUT_VARIABLE, raising=False)
     monkeypatch.setattr(_allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(_allocator.ctypes, "CDLL", lambda *a: RefusingLibc())
-    assert "refused" in configure()
+    assert configure() == "malloc: left as it is (glibc refused the mallopt settings)"
 
 
 def test_an_unnamed_c_library_is_called_unknown(monkeypatch):
@@ -69,11 +69,12 @@ def test_an_unnamed_c_library_is_called_unknown(monkeypatch):
 
 @pytest.mark.parametrize("found, opened", [("libc.so.7", "libc.so.7"), (None, "libc.so.6")])
 def test_the_c_library_is_the_one_found_else_glibcs_usual_name(monkeypatch, found, opened):
-    looked_up, loaded = [], []
+    looked_up, loaded, set_up = [], [], []
 
     class Libc:
         @staticmethod
         def mallopt(parameter, value):
+            set_up.append((parameter, value))
             return 1
 
     def cdll(name):
@@ -84,5 +85,7 @@ def test_the_c_library_is_the_one_found_else_glibcs_usual_name(monkeypatch, foun
     monkeypatch.setattr(_allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(_allocator.ctypes.util, "find_library", lambda name: looked_up.append(name) or found)
     monkeypatch.setattr(_allocator.ctypes, "CDLL", cdll)
-    assert "reused, not unmapped" in configure()
+    assert configure() == ("malloc: freed activation memory is reused, not unmapped (glibc mmap off, trim threshold "
+                           "2 GiB; TTFTC_CPU_MALLOC=system keeps the defaults)")
     assert looked_up == ["c"] and loaded == [opened]
+    assert set_up == [(-4, 0), (-1, 2**31 - 1)]  # malloc.h's M_MMAP_MAX: no mmap; M_TRIM_THRESHOLD: never trim
