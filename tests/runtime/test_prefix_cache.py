@@ -663,3 +663,16 @@ def test_released_leases_do_not_pile_up_in_the_eviction_queue():
     assert longest == 2 * 8 + 16
     assert cache.clear() == 8 * BLOCK_BYTES  # the compacted queue still finds every leaf, and then their prefixes
     cache.check_invariants([])
+
+
+def test_check_invariants_counts_every_live_lease_on_a_shared_block():
+    cache = PrefixCache(1 << 20, block_size=BS)
+    tokens = list(range(8))
+    first = insert(cache, tokens, "t")
+    second = cache.match(tokens, tenant="t")  # both leases hold the same two blocks: refcount 2 each
+    cache.check_invariants([first, second])
+    with pytest.raises(AssertionError):
+        cache.check_invariants([first])  # a live lease left out: the refcounts no longer add up
+    second.release()
+    cache.check_invariants([first])
+    first.release()
