@@ -595,3 +595,41 @@ def test_npu_default_asks_the_npu_space_with_the_problem(monkeypatch):
         mod._npu_default(q, kv, kv, kv_len, **options)
     assert str(error.value) == ("the triton-ascend attention space is not registered: import "
                                 "ttftc.codegen.triton.attention_ascend (ttftc.codegen.lowering.load_providers does)")
+
+
+class _OnNpu:
+    """A query tensor as attention_triton reads it on an Ascend device: only its device type (no NPU here)."""
+
+    device = type("Device", (), {"type": "npu"})()
+
+
+def test_the_lowering_launches_the_persistent_kernel_on_npu_and_the_tiled_one_elsewhere(monkeypatch):
+    mod = _triton()
+    calls = []
+    monkeypatch.setattr(mod, "launch", lambda *args, **kwargs: calls.append(("launch", args, kwargs)) or "tiled")
+    monkeypatch.setattr(mod, "launch_persistent",
+                        lambda *args, **kwargs: calls.append(("persistent", args, kwargs)) or "persistent")
+    monkeypatch.setattr(mod, "current_device", lambda: "npu:0")
+    monkeypatch.setattr(mod, "launch_grid", lambda device: calls.append(("grid", device)) or (24,))
+    monkeypatch.setattr(mod, "_npu_default", lambda *args, **kwargs: calls.append(("default", args, kwargs))
+                        or {"block_m": 64, "block_n": 128, "multibuffer": True})
+    q, k, v, kv_len = _OnNpu(), "k", "v", "kv_len"
+    assert mod.attention_triton(q, k, v, kv_len, causal=True, scale=0.3) == "persistent"
+    defaults = dict(causal=True, scale=0.3, q_offset=0, window=0)
+    assert calls == [("default", (q, k, v, kv_len), defaults), ("grid", "npu:0"),
+                     ("persistent", (q, k, v, kv_len), dict(defaults, block_m=64, block_n=128, programs=24,
+                                                              multibuffer=True))]
+    calls.clear()  # a tuned config is used as it is
+    tuned = {"block_m": 32, "block_n": 64, "multibuffer": False}
+    mod.attention_triton(q, k, v, None, causal=False, scale=0.5, q_offset=3, window=8, tuning_config=tuned)
+    assert [c[0] for c in calls] == ["grid", "persistent"]
+    assert calls[1][2] == dict(causal=False, scale=0.5, q_offset=3, window=8, block_m=32, block_n=64, programs=24,
+                               multibuffer=False)
+    calls.clear()
+    q_cpu = torch.empty(1, 2, 4, 16)
+    assert mod.attention_triton(q_cpu, k, v, causal=True, scale=0.3) == "tiled"
+    assert calls == [("launch", (q_cpu, k, v, None), dict(defaults, config=None))]
+    calls.clear()
+    mod.attention_triton(q_cpu, k, v, causal=True, scale=0.3, tuning_config={"block_m": 32, "block_n": 16,
+                                                                              "num_warps": 4, "num_stages": 2})
+    assert calls[0][2]["config"] == mod.AttentionConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
