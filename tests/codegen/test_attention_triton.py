@@ -630,6 +630,7 @@ def test_the_lowering_launches_the_persistent_kernel_on_npu_and_the_tiled_one_el
     assert mod.attention_triton(q_cpu, k, v, causal=True, scale=0.3) == "tiled"
     assert calls == [("launch", (q_cpu, k, v, None), dict(defaults, config=None))]
     calls.clear()
-    mod.attention_triton(q_cpu, k, v, causal=True, scale=0.3, tuning_config={"block_m": 32, "block_n": 16,
-                                                                              "num_warps": 4, "num_stages": 2})
+    mod.attention_triton(q_cpu, k, v, kv_len, causal=True, scale=0.3, tuning_config={"block_m": 32, "block_n": 16,
+                                                                                      "num_warps": 4, "num_stages": 2})
+    assert calls[0][1] == (q_cpu, k, v, kv_len)
     assert calls[0][2]["config"] == mod.AttentionConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
