@@ -261,12 +261,13 @@ def test_every_capability_refusal_names_its_reason(monkeypatch):
 
 
 def _torch_with(available: bool, ops: tuple):
-    """A stand-in for the torch module as onednn_u8_reason reads it: oneDNN available or not, and these ops."""
+    """A stand-in for the torch module as onednn_u8_reason reads it: oneDNN available or not, and these ops
+    (None: no torch.ops.onednn at all)."""
     from types import SimpleNamespace
 
-    onednn = SimpleNamespace(**dict.fromkeys(ops, object())) if ops is not None else None
+    namespace = SimpleNamespace() if ops is None else SimpleNamespace(onednn=SimpleNamespace(**dict.fromkeys(ops, 1)))
     return SimpleNamespace(backends=SimpleNamespace(mkldnn=SimpleNamespace(is_available=lambda: available)),
-                           ops=SimpleNamespace(onednn=onednn) if onednn is not None else SimpleNamespace())
+                           ops=namespace)
 
 
 @pytest.mark.parametrize("available, ops, reason", [
