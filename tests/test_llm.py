@@ -7,7 +7,7 @@ import torch
 
 import ttftc
 from ttftc import zoo
-from ttftc.runtime import EngineClosedError, PrefixCache
+from ttftc.runtime import PRIVATE, EngineClosedError, PrefixCache
 from tests.serve.helpers import wait_until
 
 TIMEOUT_S = 60
@@ -39,14 +39,41 @@ def test_generate_matches_the_models_own_greedy_decode(llm):
     assert single.token_ids == results[0].token_ids
 
 
-def test_a_tenant_reuses_its_own_prefixes_and_no_tenant_reuses_nothing(llm):
+def test_calls_without_a_tenant_share_the_llms_namespace_and_a_tenant_isolates(llm):
     prompt = ids(33, 3)
-    assert [r.cached_tokens for r in (llm.generate(prompt)[0], llm.generate(prompt)[0])] == [0, 0]
+    assert [llm.generate(prompt)[0].cached_tokens for _ in range(2)] == [0, 32]
+    assert [llm.generate(prompt, tenant=PRIVATE)[0].cached_tokens for _ in range(2)] == [0, 0]
     first, second = (llm.generate(prompt, tenant="acme")[0] for _ in range(2))
     assert (first.cached_tokens, second.cached_tokens) == (0, 32)
     assert llm.generate(prompt, tenant="zeta")[0].cached_tokens == 0
     with pytest.raises(ValueError, match="tenant must be a string"):
         llm.generate(prompt, tenant=7)
+
+
+def test_the_issue_snippet_reuses_a_system_prompt_without_a_tenant():
+    """Issue 32's snippet, as a new user writes it: the second call reuses the 192 tokens of full blocks."""
+    llm = ttftc.LLM("tiny", precision="fp32", buckets=None, compile_kv_path=False, warmup=False)
+    try:
+        system = list(range(1, 200))
+        cached = [llm.generate([system + tail])[0].cached_tokens for tail in ([5, 6], [7, 8])]
+        assert cached == [0, 192]
+        assert llm.generate([system + [9, 9]], tenant="me")[0].cached_tokens == 0
+    finally:
+        llm.close()
+
+
+def test_the_llms_own_namespace_can_be_named_and_is_not_anyone_elses():
+    llm = ttftc.LLM("tiny", precision="fp32", buckets=None, compile_kv_path=False, warmup=False, tenant="app")
+    try:
+        prompt = ids(33, 4)
+        assert llm.generate(prompt)[0].cached_tokens == 0
+        assert llm.generate(prompt, tenant="app")[0].cached_tokens == 32, "tenant= names the default namespace"
+        assert llm.generate(prompt, tenant="other")[0].cached_tokens == 0
+        assert llm.engine.prefix_cache.cached_tokens(prompt, tenant=None) == 0, "the unnamed tree stays empty"
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="tenant must be a string"):
+        ttftc.LLM("tiny", buckets=None, warmup=False, compile_kv_path=False, tenant=3)
 
 
 def test_stream_yields_as_it_goes_and_leaving_early_cancels(llm):

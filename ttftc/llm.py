@@ -16,8 +16,10 @@ eager and extends 1536 cached tokens by 512 in 0.51 s instead of 0.75 s) or eage
 continue from earlier KV: its input is the whole prompt.)
 
 Tenants. With a prefix cache, `tenant` names the namespace whose cached prefixes a request may reuse; requests
-of different tenants share nothing. It must come from the host's notion of identity (`ttftc serve` takes it
-from an operator-named header), never from the request body: prompt-cache timing is a side channel.
+of different tenants share nothing. Calls that name no tenant share the LLM's own namespace (`LLM(tenant=...)`
+names it), so a system prompt is reused across calls with no extra argument. A per-call tenant must come from the
+host's notion of identity (`ttftc serve` takes it from an operator-named header, and a request without one gets a
+private namespace), never from the request body: prompt-cache timing is a side channel.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Hashable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from ttftc.runtime.prefix_cache import PRIVATE, Tenant
 from ttftc.text import OutputText, PromptCodec, load_tokenizer
 from ttftc.text import Delta as Delta  # re-exported: what stream() yields
 
@@ -107,6 +110,13 @@ def _is_int(x: Any) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _checked_tenant(tenant: Tenant) -> Tenant:
+    if tenant is None or tenant is PRIVATE or isinstance(tenant, str):
+        return tenant
+    raise ValueError(f"tenant must be a string, None or ttftc.runtime.PRIVATE, got {type(tenant).__name__}: convert "
+                     "the host's identity to a string")
 
 
 @dataclass
@@ -237,6 +247,8 @@ class LLM:
     compile_kv_path: compile the KV path (decode, cached-prefix and chunk continuation) with ttftc and dynamic
                      shapes; False keeps it eager (no compile time: tests, debugging).
     warmup:          compile and run every graph once before serving, so no request pays for a compile.
+    tenant:          the prefix-cache namespace of calls that name none (default: this LLM's own namespace, shared
+                     by all its unnamed calls); a per-call `tenant=` isolates, `tenant=PRIVATE` shares nothing.
     """
 
     def __init__(self, model_or_path: Union[str, Path, torch.nn.Module], *, precision: str = "auto",
@@ -246,7 +258,7 @@ class LLM:
                  prefill_batch_sizes: Sequence[int] = (1, 2, 4, 8), prefill_batch_tokens: int = 512,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, tokenizer: Any = None,
                  name: Optional[str] = None, compile_kv_path: bool = True, warmup: bool = True,
-                 batched_decode: bool = True):
+                 batched_decode: bool = True, tenant: Tenant = None):
         from ttftc.runtime.engine import PrefillEngine
         from ttftc.runtime.engine_loop import EngineLoop
         from ttftc.runtime.scheduler import StepScheduler
@@ -263,6 +275,7 @@ class LLM:
         if not _is_int(prefill_batch_tokens) or prefill_batch_tokens < 1:
             raise ValueError(f"prefill_batch_tokens must be a positive int, got {prefill_batch_tokens!r}")
 
+        self.tenant = _checked_tenant(tenant)
         source = _ModelSource.resolve(model_or_path, artifact)
         self.name = name or source.name
         self.model = source.model
@@ -349,7 +362,8 @@ class LLM:
         # The KV path: a cold prefill, one continuing from KV (a cached prefix, a later chunk), and decodes; also a
         # one-token prompt and its decode, because a compiled model specialises sizes of 1 into graphs of their own.
         for first_stretch, length in ((13, 24), (None, 1)):
-            job = engine.start([t % vocab for t in range(3, 3 + length)])
+            # PRIVATE: warm-up prompts are not the application's, so they neither hit nor fill its cache.
+            job = engine.start([t % vocab for t in range(3, 3 + length)], tenant=PRIVATE)
             if first_stretch is not None:
                 job.advance(first_stretch)
             first = job.advance()
@@ -361,7 +375,8 @@ class LLM:
                 first.kv.release()
         # Batched decode: oneDNN builds its GEMMs per row count on first use.
         if engine.batched_decode:
-            firsts = [engine.first_token([(t * 7 + row) % vocab for t in range(5 + row)]) for row in range(8)]
+            firsts = [engine.first_token([(t * 7 + row) % vocab for t in range(5 + row)], tenant=PRIVATE)
+                      for row in range(8)]
             try:
                 for rows in (2, 3, 4, 8):
                     engine.decode_batch([(f.kv, f.token, GREEDY, None) for f in firsts[:rows]])
@@ -392,14 +407,14 @@ class LLM:
                 "generate): shorten the prompt or lower max_tokens",
             )
 
-    def open(self, prompt_ids: Sequence[int], params: GenerationParams, sink, *, tenant: Optional[str] = None,
+    def open(self, prompt_ids: Sequence[int], params: GenerationParams, sink, *, tenant: Tenant = None,
              arrived_at: Optional[float] = None) -> RequestOutput:
         """Submit one request whose events go to `sink` (called on the engine thread); feed those events to the
-        returned RequestOutput on your own thread. `arrived_at` is on `time.perf_counter`'s clock."""
+        returned RequestOutput on your own thread. `arrived_at` is on `time.perf_counter`'s clock; `tenant=None`
+        is this LLM's namespace."""
         from ttftc.runtime.scheduler import Request
 
-        if tenant is not None and not isinstance(tenant, str):
-            raise ValueError(f"tenant must be a string or None, got {type(tenant).__name__}")
+        tenant = self.tenant if tenant is None else _checked_tenant(tenant)
         ids = self.engine.validate(prompt_ids)
         self.check_length(ids, params.max_new_tokens)
         request = Request(ids, max_new_tokens=params.max_new_tokens, tenant=tenant, sampling=params.sampling(),
@@ -415,7 +430,7 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], *, max_new_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: Optional[int] = None, seed: Optional[int] = None,
                  stop: Union[str, Sequence[str]] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 tenant: Optional[str] = None, timeout_s: Optional[float] = None) -> list[Completion]:
+                 tenant: Tenant = None, timeout_s: Optional[float] = None) -> list[Completion]:
         """Run every prompt (text or token ids) to completion, all submitted at once so the scheduler can batch
         them; one Completion per prompt, in order."""
         params = GenerationParams(max_new_tokens, temperature, top_p, top_k, seed, stop, tuple(stop_token_ids),
@@ -440,7 +455,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, *, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: Optional[int] = None, seed: Optional[int] = None, stop: Union[str, Sequence[str]] = (),
-               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, tenant: Optional[str] = None,
+               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, tenant: Tenant = None,
                timeout_s: Optional[float] = None) -> TokenStream:
         """An iterator of Deltas for one prompt, as the tokens are produced; leaving the loop early cancels it."""
         params = GenerationParams(max_new_tokens, temperature, top_p, top_k, seed, stop, tuple(stop_token_ids),

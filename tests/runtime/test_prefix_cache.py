@@ -1,6 +1,8 @@
 """PrefixCache: matching, references, eviction, tenant isolation, accounting, thread safety, bad input."""
 
+import copy
 import gc
+import pickle
 import threading
 import weakref
 
@@ -10,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ttftc.runtime import LeaseReleasedError, PrefixCache, PrefixCacheStats
+from ttftc.runtime import PRIVATE, LeaseReleasedError, PrefixCache, PrefixCacheStats
 
 BS = 4
 BLOCK_BYTES = 4 * 8  # float64 payload of 4 values
@@ -53,33 +55,44 @@ def test_tenants_never_share_blocks():
     lease = cache.match(tokens, tenant="bob")
     assert lease.num_tokens == 0
     lease.release()
-    assert cache.match(tokens, tenant=None).num_tokens == 0  # an unnamed caller is nobody's tenant
+    assert cache.match(tokens, tenant=None).num_tokens == 0  # the default namespace is not alice's
+    assert cache.match(tokens, tenant=PRIVATE).num_tokens == 0
 
 
-def test_an_unnamed_caller_shares_with_nobody_not_even_itself():
-    cache = PrefixCache(1 << 20, block_size=BS)
+@pytest.mark.parametrize("shared_default, tenant", [(True, PRIVATE), (False, None), (False, PRIVATE)],
+                         ids=["PRIVATE", "unnamed-without-shared-default", "PRIVATE-without-shared-default"])
+def test_a_private_caller_shares_with_nobody_not_even_itself(shared_default, tenant):
+    cache = PrefixCache(1 << 20, block_size=BS, shared_default=shared_default)
     tokens = list(range(12))
     built = []
-    lease = cache.insert(tokens, lambda i: built.append(i) or payload_for(None, tokens, i), tenant=None)
+    lease = cache.insert(tokens, lambda i: built.append(i) or payload_for(None, tokens, i), tenant=tenant)
     assert lease.num_tokens == 0 and built == []  # a private namespace no later call can name: nothing is stored
     lease.release()
     insert(cache, tokens, "t").release()
-    assert cache.match(tokens, tenant=None).num_tokens == 0
-    assert cache.cached_tokens(tokens, tenant=None) == 0
+    assert cache.match(tokens, tenant=tenant).num_tokens == 0
+    assert cache.cached_tokens(tokens, tenant=tenant) == 0
     assert cache.stats().blocks_held == 3  # only the named tenant's blocks
 
 
-def test_shared_default_is_one_namespace_for_unnamed_callers_on_purpose():
-    cache = PrefixCache(1 << 20, block_size=BS, shared_default=True)
+def test_unnamed_callers_share_the_caches_default_namespace():
+    cache = PrefixCache(1 << 20, block_size=BS)
+    assert cache.shared_default is True
     tokens = list(range(8))
     insert(cache, tokens, None).release()
     lease = cache.match(tokens, tenant=None)
     assert lease.num_tokens == 8 and served_correctly(lease, tokens, None)
     lease.release()
     assert cache.cached_tokens(tokens, tenant="None") == 0  # the string "None" is a tenant like any other
+    assert cache.cached_tokens(tokens, tenant="PRIVATE") == 0
     assert cache.cached_tokens(tokens, tenant="t") == 0
+    assert cache.cached_tokens(tokens, tenant=PRIVATE) == 0
     with pytest.raises(TypeError, match="shared_default"):
         PrefixCache(1 << 20, shared_default=1)
+
+
+def test_private_survives_copy_and_pickle_as_the_same_object():
+    assert copy.deepcopy(PRIVATE) is PRIVATE and pickle.loads(pickle.dumps(PRIVATE)) is PRIVATE
+    assert repr(PRIVATE) == "PRIVATE"
 
 
 @pytest.mark.parametrize("tenant", [1, 1.0, True, ("a",), b"a", object()])
@@ -439,7 +452,7 @@ def test_max_tokens_of_zero_or_below_matches_nothing_even_with_one_token_blocks(
 
 
 def test_the_shared_default_namespace_is_visible_to_cached_tokens():
-    cache = PrefixCache(1 << 20, block_size=BS, shared_default=True)
+    cache = PrefixCache(1 << 20, block_size=BS)
     tokens = list(range(9))
     insert(cache, tokens, None).release()
     assert cache.cached_tokens(tokens, tenant=None) == 8
@@ -521,8 +534,8 @@ def test_errors_name_the_offending_value():
     cache = PrefixCache(1 << 20, block_size=BS)
     with pytest.raises(TypeError) as raised:
         cache.match([1] * 4, tenant=1)
-    assert str(raised.value) == ("tenant must be a str (or None: a private namespace), got int 1; convert ids to "
-                                 "strings so that 1, 1.0 and True cannot name the same tenant")
+    assert str(raised.value) == ("tenant must be a str, None (the cache's default namespace) or PRIVATE, got int 1; "
+                                 "convert ids to strings so that 1, 1.0 and True cannot name the same tenant")
     with pytest.raises(TypeError, match="^a block payload must be a torch.Tensor, got list$"):
         cache.insert([1] * 4, lambda i: [0.0] * 4, tenant="t")
     insert(cache, [1] * 4, "t").release()

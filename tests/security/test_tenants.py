@@ -1,7 +1,8 @@
 """Issue items 6 and 7: the prefix cache fails closed.
 
-The attacker here is another caller of the same server process: one who omits the tenant, or who passes a tenant that
-compares equal to someone else's, or a model object that lands at a freed model's address.
+The attacker here is another caller of the same server process: one who sends no tenant (the server runs it as
+PRIVATE), or who passes a tenant that compares equal to someone else's, or a model object that lands at a freed
+model's address.
 """
 
 import gc
@@ -11,7 +12,7 @@ import pytest
 
 from tests.helpers import needs_transformers
 from ttftc import zoo
-from ttftc.runtime import PrefillEngine, PrefixCache
+from ttftc.runtime import PRIVATE, PrefillEngine, PrefixCache
 
 pytestmark = needs_transformers
 
@@ -26,21 +27,29 @@ def secret(model):
     return zoo.example_ids(model, 40)[0].tolist()  # the victim's prompt: five blocks of 8
 
 
-def test_callers_who_name_no_tenant_learn_nothing_from_each_other(model, secret):
-    engine = PrefillEngine(model, prefix_cache=PrefixCache(1 << 24, block_size=8))
-    engine.first_token(secret).kv.release()  # the victim, who omitted the tenant
-    probe = engine.first_token(secret)  # the attacker guesses the same prompt, also without a tenant
+@pytest.mark.parametrize("shared_default, tenant", [(True, PRIVATE), (False, None)])
+def test_private_callers_learn_nothing_from_each_other(model, secret, shared_default, tenant):
+    """What `ttftc serve` does for a request without the operator's tenant header (tests/serve/test_server.py)."""
+    engine = PrefillEngine(model, prefix_cache=PrefixCache(1 << 24, block_size=8, shared_default=shared_default))
+    engine.first_token(secret, tenant=tenant).kv.release()  # the victim
+    probe = engine.first_token(secret, tenant=tenant)  # the attacker guesses the same prompt
     assert probe.cached_tokens == 0 and probe.computed_tokens == len(secret)
     probe.kv.release()
     assert engine.prefix_cache.stats().blocks_held == 0  # nothing was kept that a later guess could hit
 
 
-def test_a_host_can_share_the_unnamed_namespace_on_purpose(model, secret):
-    engine = PrefillEngine(model, prefix_cache=PrefixCache(1 << 24, block_size=8, shared_default=True))
+def test_in_process_callers_without_a_tenant_share_the_engines_namespace(model, secret):
+    """One engine in one process is one application: its unnamed calls reuse each other's prompts (as vLLM does
+    without a cache_salt), and nobody else can name that namespace."""
+    engine = PrefillEngine(model, prefix_cache=PrefixCache(1 << 24, block_size=8))
     engine.first_token(secret).kv.release()
     again = engine.first_token(secret)
     assert again.cached_tokens == 32
     again.kv.release()
+    for outsider in ("None", "", "default", PRIVATE):
+        probe = engine.first_token(secret, tenant=outsider)
+        assert probe.cached_tokens == 0, outsider
+        probe.kv.release()
 
 
 @pytest.mark.parametrize("victim, attacker", [("1", 1), ("1", 1.0), ("1", True), ("acme", ("acme",))])

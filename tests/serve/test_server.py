@@ -196,6 +196,14 @@ def test_requests_without_a_tenant_share_nothing(served, client):
     assert cached() == 0
 
 
+def test_the_llms_in_process_namespace_is_not_served_to_requests_without_a_tenant(served, client):
+    llm, _ = served
+    ids = [(37 * i + 11) % 509 for i in range(48)]  # a prompt no other test of this module sends
+    assert [llm.generate(ids, max_new_tokens=1)[0].cached_tokens for _ in range(2)] == [0, 32], "in-process: shared"
+    response = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0)
+    assert response.usage.prompt_tokens_details.cached_tokens == 0, "no header: never the LLM's own namespace"
+
+
 def test_health_and_models(served, client):
     _, server = served
     assert get(server.url + "/health") == (200, '{"status":"ok"}')

@@ -2,7 +2,9 @@
 
     cache = PrefixCache(budget_bytes=1 << 30)
     engine = PrefillEngine(model, prefix_cache=cache, chunk_size=512)
-    first = engine.first_token(ids, tenant="acme")     # .token .logits .kv .cached_tokens
+    first = engine.first_token(ids)                    # .token .logits .kv .cached_tokens
+
+Calls without a tenant share the engine's prefix cache; `tenant="acme"` isolates, `tenant=PRIVATE` shares nothing.
 """
 
 from ttftc._lazy import lazy_exports
@@ -16,6 +18,7 @@ _LAZY = {
     "KVHandle": "ttftc.runtime.kv", "ModelGeometry": "ttftc.runtime.kv",
     "CacheLease": "ttftc.runtime.prefix_cache", "LeaseReleasedError": "ttftc.runtime.prefix_cache",
     "PrefixCache": "ttftc.runtime.prefix_cache", "PrefixCacheStats": "ttftc.runtime.prefix_cache",
+    "PRIVATE": "ttftc.runtime.prefix_cache",
     "GREEDY": "ttftc.runtime.sampling", "Sampling": "ttftc.runtime.sampling",
     "Request": "ttftc.runtime.scheduler", "RequestRecord": "ttftc.runtime.scheduler",
     "StepScheduler": "ttftc.runtime.scheduler", "StepStats": "ttftc.runtime.scheduler",
@@ -23,7 +26,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "GREEDY", "CacheLease", "ChatSession", "ChunkTable", "EndEvent", "EngineClosedError", "EngineLoop", "FirstToken",
+    "GREEDY", "PRIVATE", "CacheLease", "ChatSession", "ChunkTable", "EndEvent", "EngineClosedError", "EngineLoop", "FirstToken",
     "KVHandle", "LeaseReleasedError", "ModelGeometry",
     "PrefillEngine", "PrefillJob", "PrefixCache", "PrefixCacheStats", "Request", "RequestRecord", "Sampling",
     "StepScheduler", "StepStats", "TokenEvent", "Turn",

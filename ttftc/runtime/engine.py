@@ -1,10 +1,13 @@
 """The prefill engine: prompt in, first token + KV out, reusing cached prefix KV and bounding activation memory.
 
     engine = PrefillEngine(model, prefix_cache=PrefixCache(2 << 30), chunk_size=512)
-    first = engine.first_token(ids, tenant="acme")
+    first = engine.first_token(ids)                             # reuses any earlier call's cached prefix
     rest = engine.generate(first, max_new_tokens=32)            # our decode loop, or:
     out = model.generate(**first.kv.generate_inputs(first.token), max_new_tokens=31)
     first.kv.release()
+
+Calls without a tenant share the prefix cache's default namespace (one engine, one application); `tenant="acme"`
+gives a caller a namespace of its own, and `tenant=PRIVATE` (ttftc.runtime) reuses and stores nothing.
 
 `model` is a transformers causal LM, plain or compiled (`torch.compile(model, backend=ttftc.backend(...))`). The
 engine calls it with `past_key_values` (a DynamicCache), explicit `position_ids` (so learned absolute positions, as
@@ -141,7 +144,8 @@ class PrefillEngine:
         return PrefillJob(self, handle.token_ids + new, tenant=handle.tenant, sampling=sampling, handle=handle)
 
     def first_token(self, input_ids: PromptIds, tenant: Hashable = None, sampling: Sampling = GREEDY) -> FirstToken:
-        """Prefill `input_ids` (reusing this tenant's cached prefix) and return the first generated token."""
+        """Prefill `input_ids` (reusing the cached prefix of `tenant`, the default namespace if None) and return the
+        first generated token."""
         return self._run(self.start(input_ids, tenant=tenant, sampling=sampling))
 
     def extend(self, handle: KVHandle, input_ids: PromptIds, sampling: Sampling = GREEDY) -> FirstToken:

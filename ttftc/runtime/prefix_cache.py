@@ -10,10 +10,13 @@ never learn (by a faster first token, or by `FirstToken.cached_tokens`) that ano
 Prompt-cache timing is a real side channel (InputSnatch, PromptPeek); the tenant must therefore come from the host
 application's notion of identity, never from a field the client controls. A host that wants to share, say, a public
 system prompt across its users passes the same tenant for them on purpose. `tenant=None` (a caller that named no
-tenant) shares with nobody: each such call gets a private namespace of its own, which no later call can name, so
-nothing is looked up and nothing is stored for it. A host that wants the unnamed callers to share one namespace says
-so with `PrefixCache(shared_default=True)`. Tenants are compared as strings only: `1`, `1.0` and `True` would be
-equal as dict keys, so anything but a str (or None) is a TypeError.
+tenant) is the cache's default namespace: a cache belongs to one engine or `LLM`, in one process, so its unnamed
+callers are one application and share their prompts, as vLLM shares its prefix cache unless a request brings a
+`cache_salt`. `tenant=PRIVATE` shares with nobody: each such call gets a namespace of its own, which no later call
+can name, so nothing is looked up and nothing is stored for it. `ttftc serve` passes PRIVATE for a request that
+carries no operator-set tenant header, so isolation stays fail-closed at the server. `PrefixCache(
+shared_default=False)` makes `tenant=None` private too. Tenants are compared as strings only: `1`, `1.0` and `True`
+would be equal as dict keys, so anything but a str, None or PRIVATE is a TypeError.
 
 Binding: `bind(..., owner=model)` ties the cache to the model whose KV it holds through a weak reference and an
 `is` check, for good: a new model allocated at a freed model's address is never served the old model's KV, and
@@ -36,7 +39,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -44,16 +47,35 @@ DEFAULT_BLOCK_SIZE = 16
 
 BlockPayload = torch.Tensor
 MakeBlock = Callable[[int], BlockPayload]
-_PRIVATE = object()  # the namespace of an unnamed caller when nothing is shared by default: found in no tree
 
 
-def _namespace(tenant: Optional[str], shared_default: bool) -> object:
-    """The tree a tenant's blocks live in: its name, None for the shared default, or _PRIVATE for no tree."""
+class _Private:
+    """The type of PRIVATE. One instance: a tenant that is no string, so no caller can name its namespace."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "PRIVATE"
+
+    def __reduce__(self) -> str:
+        return "PRIVATE"  # a copy or a pickle is the same singleton
+
+
+PRIVATE = _Private()
+Tenant = Union[str, _Private, None]
+_NO_TREE = object()  # the namespace of a private call: found in no tree
+
+
+def _namespace(tenant: Tenant, shared_default: bool) -> object:
+    """The tree a tenant's blocks live in: its name, None for the default namespace, or _NO_TREE for none."""
+    if tenant is PRIVATE:
+        return _NO_TREE
     if tenant is None:
-        return None if shared_default else _PRIVATE
+        return None if shared_default else _NO_TREE
     if not isinstance(tenant, str):
-        raise TypeError(f"tenant must be a str (or None: a private namespace), got {type(tenant).__name__} "
-                        f"{tenant!r}; convert ids to strings so that 1, 1.0 and True cannot name the same tenant")
+        raise TypeError(f"tenant must be a str, None (the cache's default namespace) or PRIVATE, got "
+                        f"{type(tenant).__name__} {tenant!r}; convert ids to strings so that 1, 1.0 and True cannot "
+                        "name the same tenant")
     return str.__str__(tenant)  # a plain str: a subclass cannot bring its own __eq__ or __hash__
 
 
@@ -100,7 +122,7 @@ class CacheLease:
     `blocks` are the KV payloads in prompt order. Hold the lease while the KV is in use; `release()` it after.
     """
 
-    def __init__(self, cache: "PrefixCache", nodes: list[_Node], tenant: Optional[str]):
+    def __init__(self, cache: "PrefixCache", nodes: list[_Node], tenant: Tenant):
         self._cache = cache
         self._nodes = nodes
         self.tenant = tenant
@@ -131,12 +153,12 @@ class PrefixCache:
 
     `block_bytes` (the size of one block's payload) may be given up front; otherwise the first `bind` or `insert`
     fixes it. Either way a budget that cannot hold a single block is refused with a ValueError.
-    `shared_default=True` makes `tenant=None` one namespace shared by every unnamed caller; by default each
-    unnamed call is private (see the module docstring).
+    `tenant=None` is one namespace shared by every unnamed caller of this cache; `shared_default=False` makes
+    each unnamed call private instead, like `tenant=PRIVATE` (see the module docstring).
     """
 
     def __init__(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE, *, block_bytes: Optional[int] = None,
-                 shared_default: bool = False):
+                 shared_default: bool = True):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 1:
@@ -214,7 +236,7 @@ class PrefixCache:
         return [tuple(int(t) for t in tokens[i * bs:(i + 1) * bs]) for i in range(limit // bs)]
 
     def _walk(self, namespace: object, keys: list[tuple[int, ...]]) -> list[_Node]:
-        node = self._roots.get(namespace) if namespace is not _PRIVATE else None
+        node = self._roots.get(namespace) if namespace is not _NO_TREE else None
         chain: list[_Node] = []
         if node is None:
             return chain
@@ -225,7 +247,7 @@ class PrefixCache:
             chain.append(node)
         return chain
 
-    def match(self, tokens: Sequence[int], *, tenant: Optional[str] = None,
+    def match(self, tokens: Sequence[int], *, tenant: Tenant = None,
               max_tokens: Optional[int] = None) -> CacheLease:
         """Lease the longest cached prefix of `tokens` (at most `max_tokens` tokens, in whole blocks).
 
@@ -242,7 +264,7 @@ class PrefixCache:
             self._hit_tokens += lease.num_tokens
             return lease
 
-    def cached_tokens(self, tokens: Sequence[int], *, tenant: Optional[str] = None) -> int:
+    def cached_tokens(self, tokens: Sequence[int], *, tenant: Tenant = None) -> int:
         """How many leading tokens a `match` would serve now; takes no reference and counts nothing."""
         namespace = _namespace(tenant, self.shared_default)
         keys = self._block_keys(tokens, None)
@@ -251,17 +273,17 @@ class PrefixCache:
 
     # ---- insertion ----------------------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], make_block: MakeBlock, *, tenant: Optional[str] = None) -> CacheLease:
+    def insert(self, tokens: Sequence[int], make_block: MakeBlock, *, tenant: Tenant = None) -> CacheLease:
         """Cache every full block of `tokens` that is not cached yet; lease the whole cached chain.
 
         `make_block(i)` returns the payload of block i (tokens[i*bs:(i+1)*bs]); it is called only for missing
         blocks and its tensor must not alias memory the caller keeps mutating. When the budget runs out (every
         other block is referenced) insertion stops: the lease then covers a shorter prefix. Insertion never
-        counts as a query. A private call (tenant=None without shared_default) stores nothing: no later call
-        could find it.
+        counts as a query. A private call (PRIVATE, or tenant=None without shared_default) stores nothing: no
+        later call could find it.
         """
         namespace = _namespace(tenant, self.shared_default)
-        if namespace is _PRIVATE:
+        if namespace is _NO_TREE:
             return CacheLease(self, [], tenant)
         keys = self._block_keys(tokens, None)
         with self._lock:

@@ -2,7 +2,8 @@
 
 The session keeps its KV handle between turns. The last reply token was sampled but never fed to the model, so it
 is prepended to the next turn's tokens. With a prefix cache on the engine, every turn also publishes its full
-blocks, so a new session that replays the same history (a retry, a fork) starts warm too.
+blocks, so a new session that replays the same history (a retry, a fork) starts warm too; sessions without a
+tenant share the engine's default namespace.
 """
 
 from __future__ import annotations

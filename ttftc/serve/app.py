@@ -8,8 +8,8 @@ event loop through `call_soon_threadsafe` and leave as server-sent events. A cli
 request cancelled, which frees its KV and its slot.
 
 The tenant (the prefix-cache namespace) comes only from the header the operator named; without one configured,
-or without the header on a request, the request has no tenant, and with a prefix cache attached a request without
-a tenant shares no cached prefix with any other request.
+or without the header on a request, the request runs as PRIVATE: it shares no cached prefix with any other
+request. It never falls back to the LLM's default namespace, which belongs to in-process callers.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ttftc.llm import LLM, ParamError, RequestOutput
 from ttftc.runtime.engine_loop import EngineClosedError, TokenEvent
+from ttftc.runtime.prefix_cache import PRIVATE, Tenant
 from ttftc.serve import sse
 from ttftc.serve.errors import APIError, bad_request, error_body
 from ttftc.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -135,11 +136,11 @@ class _Served:
             raise bad_request(str(exc), param=param) from None
         return await self.respond(request, parsed, ids, arrived)
 
-    def tenant(self, request: Request) -> Optional[str]:
+    def tenant(self, request: Request) -> Tenant:
         if self.tenant_header is None:
-            return None
+            return PRIVATE
         value = request.headers.get(self.tenant_header)
-        return value if value else None
+        return value if value else PRIVATE
 
     async def respond(self, request: Request, parsed: GenerationRequest, ids: list[int], arrived: float):
         if self.draining:

@@ -3,9 +3,10 @@
     python -m ttftc.serve.overhead --model llama-135m --prompt-len 512 --repeats 10
 
 In one process: an LLM, then the same LLM behind `ttftc serve`'s app on a free 127.0.0.1 port. Each repeat sends
-a fresh random prompt (no tenant, so nothing is reused) first through `LLM.generate` (TTFT from the call to the
-first token, as the scheduler records it) and then through the `openai` client (TTFT from the request to the
-first streamed chunk, read at the client's socket). Prints both medians and their ratio as JSON.
+a fresh random prompt (PRIVATE in-process, no tenant header at the socket: nothing is reused) first through
+`LLM.generate` (TTFT from the call to the first token, as the scheduler records it) and then through the `openai`
+client (TTFT from the request to the first streamed chunk, read at the client's socket). Prints both medians and
+their ratio as JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def measure(llm, prompt_len: int, repeats: int, seed: int = 0) -> dict:
     import openai
     import torch
 
+    from ttftc.runtime import PRIVATE
     from ttftc.serve import BackgroundServer, create_app
 
     vocab = llm.engine.geometry.vocab_size
@@ -33,7 +35,7 @@ def measure(llm, prompt_len: int, repeats: int, seed: int = 0) -> dict:
     with BackgroundServer(create_app(llm)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="overhead", max_retries=0, timeout=300)
         for r in range(repeats + 1):  # the first round warms both paths and is not counted
-            (result,) = llm.generate([fresh()], max_new_tokens=1)
+            (result,) = llm.generate([fresh()], max_new_tokens=1, tenant=PRIVATE)
             start = time.perf_counter()
             stream = client.completions.create(model=llm.name, prompt=fresh(), max_tokens=1, temperature=0,
                                                stream=True)
