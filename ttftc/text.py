@@ -113,10 +113,17 @@ class IncrementalDecoder:
 
 class StopStrings:
     """Cuts streamed text at the first stop string. Text that might be the start of a stop string is held back
-    until the next piece shows whether it is."""
+    until the next piece shows whether it is.
+
+    Each stop string is matched by a Knuth-Morris-Pratt automaton fed only the new piece, so matching a piece
+    takes time linear in its length (per stop) however long the stops are; the text held back, at most the longest
+    stop less one character, is copied once per piece.
+    """
 
     def __init__(self, stops: Sequence[str] = ()):
         self.stops = tuple(s for s in stops if s)
+        self._fallbacks = [_kmp_fallbacks(s) for s in self.stops]
+        self._matched = [0] * len(self.stops)  # per stop: how many of its first characters the text ends with
         self._held = ""
         self.stopped = False
 
@@ -125,14 +132,23 @@ class StopStrings:
         if self.stopped:
             return ""
         text = self._held + piece
-        if not self.stops:
-            return text
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut = -1
+        for i, (stop, fallbacks) in enumerate(zip(self.stops, self._fallbacks)):
+            matched = self._matched[i]
+            for end, char in enumerate(piece, len(self._held) + 1):
+                while matched and stop[matched] != char:
+                    matched = fallbacks[matched - 1]
+                if stop[matched] == char:
+                    matched += 1
+                if matched == len(stop):  # the first time this stop appears, ending at text[end - 1]
+                    cut = end - matched if cut < 0 else min(cut, end - matched)
+                    break
+            self._matched[i] = matched
         if cut >= 0:
             self.stopped = True
             self._held = ""
             return text[:cut]
-        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        keep = max(self._matched, default=0)
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
 
@@ -140,6 +156,19 @@ class StopStrings:
         """What was held back, once the output ended without a stop string."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+def _kmp_fallbacks(stop: str) -> list[int]:
+    """For each prefix of `stop`, the length of its longest proper prefix that is also its suffix."""
+    fallbacks = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fallbacks[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fallbacks[i] = k
+    return fallbacks
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """OpenAI request bodies to typed requests, with a 400 naming the field for anything the server cannot honour.
 
 Supported: `/v1/completions` with one prompt (a string or a list of token ids) and `/v1/chat/completions` with
-text messages; `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`,
-`stream`, `stream_options.include_usage`, and vLLM's extensions `top_k`, `ignore_eos` and `stop_token_ids`.
-Parameters OpenAI defines that change the output in ways this server does not implement (n > 1, logprobs,
-echo, penalties, logit_bias, tools, ...) are refused unless they hold their neutral value, rather than silently
-ignored. Fields OpenAI does not define are refused too: a typo should not pass for a default.
+text messages; `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (at most
+4 strings of at most 256 characters), `stream`, `stream_options.include_usage`, and vLLM's extensions `top_k`,
+`ignore_eos` and `stop_token_ids`. Parameters OpenAI defines that change the output in ways this server does not
+implement (n > 1, logprobs, echo, penalties, logit_bias, tools, ...) are refused unless they hold their neutral
+value, rather than silently ignored. Fields OpenAI does not define are refused too: a typo should not pass for a default.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from ttftc.serve.errors import bad_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # OpenAI's chat default is "up to the context"; a random-weight preset would ramble
+MAX_STOPS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256
 
 # Accepted and ignored: they do not change what is generated.
 _IGNORED = {"user", "metadata", "store", "service_tier"}
@@ -146,14 +148,25 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, include
 
 
-def _params(body: dict, max_tokens: Any, default_max: int, max_name: str) -> GenerationParams:
-    stop = body.get("stop")
+def _stop(stop: Any) -> tuple[str, ...]:
+    """At most MAX_STOPS strings of at most MAX_STOP_CHARS characters: the text of every token is matched
+    against them on the event loop, and a stop string is held back from the stream while it might be starting."""
     if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif not isinstance(stop, list):
-        raise bad_request("stop must be a string or a list of strings", param="stop")
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad_request("stop must be a non-empty string or a list of non-empty strings", param="stop")
+    if len(stop) > MAX_STOPS:
+        raise bad_request(f"stop holds {len(stop)} strings; at most {MAX_STOPS} are allowed", param="stop")
+    for i, s in enumerate(stop):
+        if len(s) > MAX_STOP_CHARS:
+            raise bad_request(f"stop[{i}] is {len(s)} characters long; a stop string may have at most "
+                              f"{MAX_STOP_CHARS}", param="stop")
+    return tuple(stop)
+
+
+def _params(body: dict, max_tokens: Any, default_max: int, max_name: str) -> GenerationParams:
     temperature = body.get("temperature")
     top_p = body.get("top_p")
     try:
@@ -163,7 +176,7 @@ def _params(body: dict, max_tokens: Any, default_max: int, max_name: str) -> Gen
             top_p=1.0 if top_p is None else top_p,
             top_k=None if body.get("top_k") in (None, -1, 0) else body["top_k"],
             seed=body.get("seed"),
-            stop=tuple(stop),
+            stop=_stop(body.get("stop")),
             stop_token_ids=tuple(body.get("stop_token_ids") or ()),
             ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"],
         )

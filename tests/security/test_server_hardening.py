@@ -1,0 +1,131 @@
+"""Issue 33, the server half: what one client can do to the others through `ttftc serve`.
+
+Stop strings that stall the event loop, clients that leave without their requests leaving the engine, a bad
+seed that fails the requests batched with it, a body nested deep enough to crash the parser, and
+`cached_tokens` as a prefix oracle. A real uvicorn server on 127.0.0.1, driven by the `openai` client or by raw
+sockets where the point is a client that hangs up.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+
+import openai
+import pytest
+
+import ttftc
+from ttftc.serve import BackgroundServer, create_app
+from ttftc.text import StopStrings
+
+TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # A bucket, so that prompts arriving together share a padded prefill; an eager KV path (see tests/serve).
+    llm = ttftc.LLM("tiny", precision="fp32", buckets=(64,), chunked_prefill=32, max_batch_tokens=256,
+                    compile_kv_path=False)
+    assert llm.engine.prefill_model is not None, llm.notes
+    yield llm
+    llm.close(drain_timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    server = BackgroundServer(create_app(llm, tenant_header="X-Tenant")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=TIMEOUT_S)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 131 + 7 * i + 3) % 512 for i in range(n)]
+
+
+def bad_request(call) -> dict:
+    """The OpenAI error object of a call that must get a 400."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        call()
+    assert caught.value.status_code == 400
+    error = caught.value.body
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    return error
+
+
+# ---- 3: stop strings ---------------------------------------------------------------------------------------------
+
+
+def naive_stop_strings(stops, pieces):
+    """The stop-string semantics before the linear matcher (quadratic in a stop's length): the reference."""
+    held, out, stopped = "", [], False
+    for piece in pieces:
+        if stopped:
+            out.append("")
+            continue
+        text = held + piece
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            stopped, held = True, ""
+            out.append(text[:cut])
+            continue
+        keep = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        held = text[len(text) - keep:] if keep else ""
+        out.append(text[:len(text) - keep])
+    return out, stopped, "" if stopped else held
+
+
+def test_stop_strings_cut_and_hold_back_as_before_on_random_text():
+    rng = random.Random(33)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        pieces = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 8))]
+        matcher = StopStrings(stops)
+        got = [matcher.feed(p) for p in pieces]
+        assert (got, matcher.stopped, matcher.flush()) == naive_stop_strings(stops, pieces), (stops, pieces)
+
+
+def test_a_megabyte_stop_string_costs_each_token_its_own_length():
+    stop = "ab" * 500_000
+    started = time.perf_counter()
+    matcher = StopStrings([stop])  # the KMP table: one pass over the stop
+    pieces = ["<7>", "ab" * 100, "a"] + ["ba"] * 2000
+    released = "".join(matcher.feed(p) for p in pieces)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 2.0, f"{elapsed:.2f} s (the quadratic matcher took 31.5 s for 2 tokens)"
+    assert not matcher.stopped and released == "<7>"  # everything since is a possible start of the stop: held
+    assert matcher.flush() == "ab" * 100 + "a" + "ba" * 2000
+
+
+def test_a_megabyte_stop_string_gets_a_400_at_once(client):
+    started = time.perf_counter()
+    error = bad_request(lambda: client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2,
+                                                          stop="x" * 1_000_000))
+    elapsed = time.perf_counter() - started
+    assert error["param"] == "stop" and "1000000 characters" in error["message"] and "256" in error["message"]
+    assert elapsed < 1.0, f"{elapsed:.3f} s"  # was 31.5 s of a blocked event loop
+    print(f"1 MB stop string: 400 in {elapsed * 1000:.1f} ms")
+
+
+@pytest.mark.parametrize("stop, message", [
+    (["a"] * 5, "5 strings; at most 4"),
+    (["a", "b" * 257], r"stop\[1\] is 257 characters long"),
+    (["a", ""], "non-empty"),
+    ([["a"]], "non-empty string"),
+], ids=["five", "one too long", "empty", "not a string"])
+def test_stop_strings_beyond_openais_limits_get_a_400(client, stop, message):
+    error = bad_request(lambda: client.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, stop=stop))
+    assert error["param"] == "stop"
+    assert re.search(message, error["message"]), error["message"]
+
+
+def test_four_stop_strings_of_256_characters_are_served(client):
+    stops = [c * 256 for c in "wxyz"]
+    response = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, stop=stops,
+                                         extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "length" and len(response.choices[0].model_extra["token_ids"]) == 3
