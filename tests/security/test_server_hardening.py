@@ -8,6 +8,8 @@ sockets where the point is a client that hangs up.
 
 from __future__ import annotations
 
+import http.client
+import json
 import random
 import re
 import time
@@ -129,3 +131,40 @@ def test_four_stop_strings_of_256_characters_are_served(client):
     response = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, stop=stops,
                                          extra_body={"ignore_eos": True})
     assert response.choices[0].finish_reason == "length" and len(response.choices[0].model_extra["token_ids"]) == 3
+
+
+# ---- 7: deeply nested bodies -------------------------------------------------------------------------------------
+
+
+def post_raw(server, bodies: list[bytes]) -> list[tuple[int, dict]]:
+    """Each body POSTed in turn on ONE keep-alive connection: (status, error object)."""
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=TIMEOUT_S)
+    try:
+        results = []
+        for body in bodies:
+            connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            payload = json.loads(response.read())
+            results.append((response.status, payload.get("error", payload)))
+        return results
+    finally:
+        connection.close()
+
+
+def test_a_deeply_nested_body_gets_a_400_and_the_connection_keeps_serving(server):
+    valid = json.dumps({"model": "tiny", "prompt": [1, 2], "max_tokens": 1}).encode()
+    deep = [b"[" * 100_000, b'{"model": "tiny", "prompt": [1, 2], "n": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"]
+    # Deep, but within what the parser takes: parsed, then refused by the field's own check (its message prints it).
+    deep += [b'{"model": "tiny", "prompt": [1, 2], "temperature": ' + b"[" * 900 + b"]" * 900 + b"}"]
+    results = post_raw(server, deep + [valid])
+    for status, error in results[:-1]:
+        assert status == 400 and error["type"] == "invalid_request_error", (status, error)
+    assert all("too deeply" in error["message"] for _, error in results[:2])
+    assert results[2][1]["param"] == "temperature"
+    assert results[-1][0] == 200, "the same connection still serves"
+
+
+def test_an_integer_of_more_digits_than_python_converts_gets_a_400(server):
+    body = b'{"model": "tiny", "prompt": [1, 2], "seed": 1' + b"0" * 5000 + b"}"
+    status, error = post_raw(server, [body])[0]
+    assert status == 400 and "not valid JSON" in error["message"]

@@ -88,14 +88,19 @@ def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Opt
     return app
 
 
-async def _json(request: Request):
+async def _parse(request: Request, parse) -> GenerationRequest:
     body = await request.body()
     if len(body) > MAX_BODY_BYTES:
         raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        try:
+            value = json.loads(body)
+        except ValueError as exc:  # not UTF-8, not JSON, or an integer of more digits than Python converts
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        return parse(value)
+    except RecursionError:  # json.loads, and the repr of a value in an error message, recurse once per level
+        raise bad_request("the request body nests JSON arrays or objects too deeply; an OpenAI request needs only a "
+                          "few levels") from None
 
 
 class _Served:
@@ -126,7 +131,7 @@ class _Served:
     async def handle(self, request: Request, parse, encode, param: str):
         """Parse and check the whole request (a 400 for anything wrong), then generate."""
         arrived = time.perf_counter()
-        parsed = parse(await _json(request))
+        parsed = await _parse(request, parse)
         self.check_model(parsed.model)
         try:
             ids = encode(parsed)
