@@ -12,12 +12,14 @@ import http.client
 import json
 import random
 import re
+import socket
 import time
 
 import openai
 import pytest
 
 import ttftc
+from tests.serve.helpers import metric, wait_until
 from ttftc.serve import BackgroundServer, create_app
 from ttftc.text import StopStrings
 
@@ -131,6 +133,48 @@ def test_four_stop_strings_of_256_characters_are_served(client):
     response = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, stop=stops,
                                          extra_body={"ignore_eos": True})
     assert response.choices[0].finish_reason == "length" and len(response.choices[0].model_extra["token_ids"]) == 3
+
+
+# ---- 4: clients that leave ---------------------------------------------------------------------------------------
+
+
+def send_completion(server, body: dict) -> socket.socket:
+    """A POST on a socket of its own, the response never read."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((server.host, server.port), timeout=TIMEOUT_S)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return sock
+
+
+def metrics_text(server) -> str:
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=TIMEOUT_S)
+    try:
+        connection.request("GET", "/metrics")
+        return connection.getresponse().read().decode()
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_clients_that_hang_up_leave_nothing_running_within_2_s(llm, server, stream):
+    disconnected = 'finish_reason="disconnected"'
+    before = metric(metrics_text(server), "ttftc_requests_total", disconnected)
+    # Tokens flow the whole time (a few ms apart): a check that waits for a lull in them would never run.
+    sockets = [send_completion(server, {"model": "tiny", "prompt": prompt(20, seed=k), "max_tokens": 4000,
+                                        "temperature": 0, "ignore_eos": True, "stream": stream})
+               for k in range(10)]
+    try:
+        wait_until(lambda: llm.stats()["running"] == 10, timeout_s=TIMEOUT_S, what="the ten requests to run")
+    finally:
+        for sock in sockets:
+            sock.close()
+    closed = time.perf_counter()
+    wait_until(lambda: llm.stats()["running"] == 0, timeout_s=2.0, what="the engine to drop the ten requests")
+    print(f"stream={stream}: running == 0 {(time.perf_counter() - closed) * 1000:.0f} ms after the disconnects")
+    wait_until(lambda: llm.stats()["kv_tokens"] == 0, timeout_s=2.0, what="their KV to be freed")
+    after = metric(metrics_text(server), "ttftc_requests_total", disconnected)
+    assert after == before + 10
 
 
 # ---- 7: deeply nested bodies -------------------------------------------------------------------------------------

@@ -36,8 +36,7 @@ from ttftc.text import NoTokenizerError
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
-# How often a non-streaming request checks that its client is still there.
-_DISCONNECT_POLL_S = 0.25
+_GONE = object()  # put on a request's event queue when its client disconnects
 
 
 def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Optional[str] = None) -> FastAPI:
@@ -167,19 +166,22 @@ class _Served:
             raise APIError(503, "the server is shutting down", type="server_error", code="draining") from None
         except ValueError as exc:
             raise bad_request(str(exc), param="prompt") from None
+        flight = _Flight(self, request, output, events)
         shape = sse.ResponseShape(parsed.kind, self.name)
         if parsed.stream:
-            return StreamingResponse(self._stream(output, events, shape, parsed.include_usage, arrived),
+            return StreamingResponse(self._stream(flight, shape, parsed.include_usage, arrived),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._whole(request, output, events, shape, arrived)
+        return await self._whole(flight, shape, arrived)
 
-    async def _stream(self, output: RequestOutput, events: asyncio.Queue, shape: sse.ResponseShape,
-                      include_usage: bool, arrived: float):
+    async def _stream(self, flight: "_Flight", shape: sse.ResponseShape, include_usage: bool, arrived: float):
+        output = flight.output
         last_sent = None
         try:
             while not output.done:
-                event = await events.get()
+                event = await flight.events.get()
+                if event is _GONE:
+                    return
                 delta = output.on_event(event)
                 if delta is None or not (delta.token_ids or delta.text):
                     continue
@@ -195,24 +197,21 @@ class _Served:
                     yield sse.event(shape.usage_chunk(completion))
             yield sse.DONE
         finally:
-            self._close(output)
+            flight.close()
 
-    async def _whole(self, request: Request, output: RequestOutput, events: asyncio.Queue,
-                     shape: sse.ResponseShape, arrived: float):
+    async def _whole(self, flight: "_Flight", shape: sse.ResponseShape, arrived: float):
+        output = flight.output
         last_seen = None
         try:
             while not output.done:
-                try:
-                    event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    continue
+                event = await flight.events.get()
+                if event is _GONE:
+                    return Response(status_code=499)
                 output.on_event(event)
                 if isinstance(event, TokenEvent):
                     last_seen = self._observe_token(arrived, last_seen)
         finally:
-            self._close(output)
+            flight.close()
         completion = output.completion()
         if completion.finish_reason == "error":
             raise APIError(500, f"generation failed: {completion.error}", type="server_error")
@@ -226,10 +225,37 @@ class _Served:
             self.metrics.itl.observe(now - last)
         return now
 
-    def _close(self, output: RequestOutput) -> None:
-        """Runs however the response ended; a request the client left is cancelled, freeing its KV and slot."""
-        if not output.done:
-            self.llm.cancel(output.request_id)
-            self.metrics.requests.labels("disconnected").inc()
+
+class _Flight:
+    """One request between the engine and its client: the events the engine sends, and a watch on the connection
+    that cancels the request (freeing its KV and its slot) the moment the client leaves, whether tokens are
+    flowing or not, streamed or not, even before a streamed response started."""
+
+    def __init__(self, served: _Served, request: Request, output: RequestOutput, events: asyncio.Queue):
+        self.served = served
+        self.output = output
+        self.events = events
+        self._closed = False
+        self._watch = asyncio.create_task(self._watch_client(request))
+
+    async def _watch_client(self, request: Request) -> None:
+        # The body is read: the server's receive() now returns only when the client disconnects (or the response
+        # is complete, by which time close() has cancelled this watch).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.events.put_nowait(_GONE)  # wakes the response's loop, which ends at once
+        self.close()
+
+    def close(self) -> None:
+        """Runs once, however the response ended; a request still in the engine is cancelled."""
+        if self._closed:
             return
-        self.metrics.finished(output.completion())
+        self._closed = True
+        if self._watch is not asyncio.current_task():
+            self._watch.cancel()
+        served, output = self.served, self.output
+        if not output.done:
+            served.llm.cancel(output.request_id)
+            served.metrics.requests.labels("disconnected").inc()
+            return
+        served.metrics.finished(output.completion())
