@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import queue
 import random
 import re
 import socket
@@ -19,7 +20,12 @@ import openai
 import pytest
 
 import ttftc
+from tests.runtime.test_scheduler_logic import FakeEngine
+from tests.runtime.test_scheduler_logic import prompt as fake_prompt
+from tests.runtime.test_scheduler_logic import scheduler as fake_scheduler
 from tests.serve.helpers import metric, wait_until
+from ttftc.llm import GenerationParams
+from ttftc.runtime.scheduler import ERROR, LENGTH, Request
 from ttftc.serve import BackgroundServer, create_app
 from ttftc.text import StopStrings
 
@@ -175,6 +181,94 @@ def test_clients_that_hang_up_leave_nothing_running_within_2_s(llm, server, stre
     wait_until(lambda: llm.stats()["kv_tokens"] == 0, timeout_s=2.0, what="their KV to be freed")
     after = metric(metrics_text(server), "ttftc_requests_total", disconnected)
     assert after == before + 10
+
+
+# ---- 5: seeds and the other sampling fields ----------------------------------------------------------------------
+
+
+def test_a_bad_seed_fails_only_its_own_row_of_a_shared_prefill(llm, monkeypatch):
+    # LLM-level, past the HTTP validation: the scheduler must isolate whatever one row of a batch raises.
+    shared = []
+    real = llm.engine.prefill_together
+    monkeypatch.setattr(llm.engine, "prefill_together", lambda work, **kw: shared.append(len(work)) or real(work, **kw))
+    monkeypatch.setattr(llm.scheduler, "batch_window_s", 0.5)  # the five arrive in one window
+    lengths, bad = (10, 12, 14, 16, 18), 2  # the bad row is in the middle of the batch
+    events: queue.Queue = queue.Queue()
+    outputs = [llm.open(prompt(n, seed=n), GenerationParams(max_new_tokens=4, seed=2**64 if i == bad else i,
+                                                            ignore_eos=True), events.put)
+               for i, n in enumerate(lengths)]
+    by_id = {o.request_id: o for o in outputs}
+    deadline = time.monotonic() + TIMEOUT_S
+    while not all(o.done for o in outputs):
+        event = events.get(timeout=max(0.0, deadline - time.monotonic()))
+        by_id[event.request_id].on_event(event)
+    assert shared[0] == 5, f"the five prefills shared a forward: {shared}"
+    results = [o.completion() for o in outputs]
+    assert results[bad].finish_reason == "error" and "Overflow" in results[bad].error
+    innocent = [r for i, r in enumerate(results) if i != bad]
+    assert [r.finish_reason for r in innocent] == ["length"] * 4, [(r.finish_reason, r.error) for r in innocent]
+    alone = llm.generate([prompt(n, seed=n) for i, n in enumerate(lengths) if i != bad], max_new_tokens=4,
+                         ignore_eos=True)
+    assert [r.token_ids for r in innocent] == [a.token_ids for a in alone]
+    wait_until(lambda: llm.stats()["running"] == 0 and llm.stats()["kv_tokens"] == 0, what="every slot to be freed")
+
+
+class FirstTokenFailingEngine(FakeEngine):
+    """A shared prefill that serves its rows from the last one back, and whose row `bad` takes its KV, then raises
+    as its first token is picked (as a bad seed does)."""
+
+    def __init__(self, bad: int):
+        super().__init__(buckets=(8,))
+        self.bad = bad
+
+    def prefill_together(self, work, *, publish=True):
+        if len(work) == 1:
+            return super().prefill_together(work, publish=publish)
+        self.calls.append(("together", tuple((job.token_ids[0], n) for job, n in work)))
+        for job, n in reversed(work):
+            if job.token_ids[0] == self.bad:
+                job.position += n
+                raise RuntimeError("injected first-token failure")
+            job._take(n)
+        return [job.result for job, _ in work]
+
+
+def test_a_row_that_fails_a_shared_prefill_fails_alone_whatever_the_other_rows_reached():
+    engine = FirstTokenFailingEngine(bad=3)
+    s = fake_scheduler(engine, budget=64, chunk_size=8)
+    for first, length in ((1, 3), (3, 5), (4, 6), (2, 20)):  # (2, 20) is chunked: its first 8 tokens share the batch
+        s.submit(Request(fake_prompt(first, length), max_new_tokens=1, request_id=first))
+    stats = s.step()
+    assert engine.calls[0] == ("together", ((1, 3), (3, 5), (4, 6), (2, 8)))
+    assert engine.calls[1] == ("together", ((1, 3),)), "the row the batch never reached runs alone"
+    assert s.records[3].finish_reason == ERROR and s.records[3].error == "RuntimeError: injected first-token failure"
+    assert engine.cancelled == [3] and set(stats.finished) == {1, 3, 4}
+    assert s.records[1].tokens == [8] and s.records[4].tokens == [8]  # each prompt's last id + 1
+    assert s.records[2].tokens == [] and s.run_until_idle()[2].finish_reason == LENGTH
+
+
+OUT_OF_RANGE = [
+    ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5), ("seed", "7"), ("seed", True),
+    ("temperature", 2.5), ("temperature", -0.1), ("temperature", "1"), ("temperature", [1]),
+    ("top_p", 0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5),
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", 10**30),
+    ("n", 0), ("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", -2), ("presence_penalty", "0"),
+]
+
+
+@pytest.mark.parametrize("field, value", OUT_OF_RANGE, ids=[f"{f}={v!r}"[:40] for f, v in OUT_OF_RANGE])
+def test_each_sampling_field_out_of_its_range_gets_a_400_naming_it(client, field, value):
+    error = bad_request(lambda: client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2,
+                                                          extra_body={field: value}))
+    assert error["param"] == field and error["message"], error
+
+
+def test_a_seed_at_either_end_of_its_range_is_served_and_repeats(client):
+    for seed in (2**64 - 1, -(2**63)):
+        a, b = (client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=1.0, seed=seed,
+                                          extra_body={"ignore_eos": True}).choices[0].model_extra["token_ids"]
+                for _ in range(2))
+        assert a == b and len(a) == 4
 
 
 # ---- 7: deeply nested bodies -------------------------------------------------------------------------------------

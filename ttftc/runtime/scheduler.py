@@ -48,7 +48,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional
+from typing import Callable, Hashable, Optional, Union
 
 from ttftc.runtime.chunked import FirstToken, PrefillJob
 from ttftc.runtime.engine import PrefillEngine, PromptIds
@@ -342,11 +342,12 @@ class StepScheduler:
                 try:
                     results = self.engine.prefill_together([(it.job, k) for it, k in together], publish=False)
                 except Exception as exc:
-                    for it, _ in together:
-                        self._fail_prefill(it, exc, finished)
-                    continue
+                    results = self._rows_after_failure(together, exc)
                 for (it, _), first in zip(together, results):
-                    self._after_prefill(it, first, finished, emitted)
+                    if isinstance(first, Exception):
+                        self._fail_prefill(it, first, finished)
+                    else:
+                        self._after_prefill(it, first, finished, emitted)
                 continue
             self._mark_started([item])
             try:
@@ -356,6 +357,28 @@ class StepScheduler:
                 continue
             self._after_prefill(item, first, finished, emitted)
         return len(together) if len(together) > 1 else 0
+
+    def _rows_after_failure(self, together: list[tuple[_Prefill, int]],
+                            exc: Exception) -> list[Union[FirstToken, None, Exception]]:
+        """Each job's own outcome once a shared prefill raised, so that only the request at fault fails (a bad
+        seed, say): a job the shared forwards served keeps what it got, a job that took the KV of its whole prompt
+        but has no first token failed picking it (the one step of `absorb` after the KV) and gets the error, and a
+        job they never reached (or whose forward failed) runs alone, which tells whose fault it was."""
+        if len(together) == 1:
+            return [exc]
+        results: list[Union[FirstToken, None, Exception]] = []
+        for item, n in together:
+            job = item.job
+            if job.cold:
+                try:
+                    results.append(self.engine.prefill_together([(job, n)], publish=False)[0])
+                except Exception as alone:
+                    results.append(alone)
+            elif job.result is None and job.remaining == 0:
+                results.append(exc)
+            else:
+                results.append(job.result)  # None: the first chunk of a longer prompt, which goes on next step
+        return results
 
     def _mark_started(self, items) -> None:
         now = self.clock()

@@ -3,9 +3,11 @@
 Supported: `/v1/completions` with one prompt (a string or a list of token ids) and `/v1/chat/completions` with
 text messages; `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (at most
 4 strings of at most 256 characters), `stream`, `stream_options.include_usage`, and vLLM's extensions `top_k`,
-`ignore_eos` and `stop_token_ids`. Parameters OpenAI defines that change the output in ways this server does not
-implement (n > 1, logprobs, echo, penalties, logit_bias, tools, ...) are refused unless they hold their neutral
-value, rather than silently ignored. Fields OpenAI does not define are refused too: a typo should not pass for a default.
+`ignore_eos` and `stop_token_ids`. Numeric fields are checked against their ranges before anything is queued (a
+400 naming the field): a seed torch cannot take would otherwise fail in the engine, in a prefill shared with
+other requests. Parameters OpenAI defines that change the output in ways this server does not implement (n > 1,
+logprobs, echo, penalties, logit_bias, tools, ...) are refused unless they hold their neutral value, rather than
+silently ignored. Fields OpenAI does not define are refused too: a typo should not pass for a default.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # OpenAI's chat default is "up to the context"; a random-weight preset would ramble
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # torch.Generator.manual_seed's range
 
 # Accepted and ignored: they do not change what is generated.
 _IGNORED = {"user", "metadata", "store", "service_tier"}
@@ -169,13 +172,17 @@ def _stop(stop: Any) -> tuple[str, ...]:
 def _params(body: dict, max_tokens: Any, default_max: int, max_name: str) -> GenerationParams:
     temperature = body.get("temperature")
     top_p = body.get("top_p")
+    seed = body.get("seed")
+    if type(seed) is int and not SEED_MIN <= seed <= SEED_MAX:
+        raise bad_request(f"seed must be an integer from {SEED_MIN} to {SEED_MAX} (what a torch generator takes), "
+                          f"got {seed}", param="seed")
     try:
         return GenerationParams(
             max_new_tokens=default_max if max_tokens is None else max_tokens,
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
             top_k=None if body.get("top_k") in (None, -1, 0) else body["top_k"],
-            seed=body.get("seed"),
+            seed=seed,
             stop=_stop(body.get("stop")),
             stop_token_ids=tuple(body.get("stop_token_ids") or ()),
             ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"],
