@@ -15,6 +15,7 @@ import random
 import re
 import socket
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -306,3 +307,50 @@ def test_an_integer_of_more_digits_than_python_converts_gets_a_400(server):
     body = b'{"model": "tiny", "prompt": [1, 2], "seed": 1' + b"0" * 5000 + b"}"
     status, error = post_raw(server, [body])[0]
     assert status == 400 and "not valid JSON" in error["message"]
+
+
+# ---- 8: cached_tokens as a prefix oracle -------------------------------------------------------------------------
+
+
+def cached_tokens(url: str, ids: list[int], tenant: str, stream: bool) -> int:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="test", max_retries=0, timeout=TIMEOUT_S)
+    kwargs = dict(model="tiny", prompt=ids, max_tokens=1, temperature=0, extra_headers={"X-Tenant": tenant})
+    if not stream:
+        return client.completions.create(**kwargs).usage.prompt_tokens_details.cached_tokens
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    return chunks[-1].usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_report_cached_tokens_off_says_0_where_the_cache_hit(llm, server, stream):
+    with BackgroundServer(create_app(llm, tenant_header="X-Tenant", report_cached_tokens=False)) as quiet:
+        for url, reported, seed in ((server.url, 32, 60 + stream), (quiet.url, 0, 70 + stream)):
+            ids, tenant = prompt(48, seed=seed), f"victim-{seed}"
+            assert cached_tokens(url, ids, tenant, stream) == 0
+            assert cached_tokens(url, ids, tenant, stream) == reported
+            (hit,) = llm.generate([ids], max_new_tokens=1, tenant=tenant)
+            assert hit.cached_tokens == 32, "the cache itself still hits"
+
+
+def test_serve_help_says_a_trusted_proxy_sets_the_tenant_header(capsys):
+    from ttftc.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "A trusted proxy in front of the server must set this header (or strip it)" in text
+    assert "--no-report-cached-tokens" in text
+
+
+@pytest.mark.parametrize("flag, reported", [([], True), (["--no-report-cached-tokens"], False)])
+def test_serve_passes_no_report_cached_tokens_to_the_app(monkeypatch, flag, reported):
+    import ttftc.llm
+    import ttftc.serve
+    from ttftc.cli import main
+
+    apps = []
+    monkeypatch.setattr(ttftc.llm, "LLM", lambda *args, **kwargs: SimpleNamespace(name="tiny", notes=[]))
+    monkeypatch.setattr(ttftc.serve, "create_app", lambda llm, **kwargs: apps.append(kwargs) or "app")
+    monkeypatch.setattr(ttftc.serve, "run_server", lambda app, **kwargs: 0)
+    assert main(["serve", "tiny", "--tenant-header", "X-Tenant", *flag]) == 0
+    assert apps == [{"tenant_header": "X-Tenant", "report_cached_tokens": reported}]

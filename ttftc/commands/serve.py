@@ -72,7 +72,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-running", type=_positive, default=64, help="sequences in flight at once (default 64)")
     p.add_argument("--tenant-header", metavar="NAME",
                    help="HTTP header naming the tenant (prefix-cache namespace), e.g. X-Tenant; without it every "
-                   "request is its own tenant and no cached prefix is shared")
+                   "request is its own tenant and no cached prefix is shared. A trusted proxy in front of the "
+                   "server must set this header (or strip it): whoever can set it can confirm guesses of that "
+                   "tenant's cached prompt prefixes through usage.prompt_tokens_details.cached_tokens (and, more "
+                   "noisily, TTFT)")
+    p.add_argument("--no-report-cached-tokens", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens as 0 (the prefix cache still works), so "
+                   "the field tells a client nothing about other requests' prompts")
     p.add_argument("--drain-timeout", type=_non_negative_seconds, default=30.0,
                    help="seconds requests in flight may finish after Ctrl-C or SIGTERM (default 30)")
     p.add_argument("--threads", type=_positive, help="torch intra-op threads (default: one per core)")
@@ -108,7 +114,8 @@ def run(args) -> int:
         print(f"ttftc serve: {note}", file=sys.stderr)
     print(f"ttftc serve: {llm.name} ready in {time.perf_counter() - started:.1f} s on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
-    cut_off = run_server(create_app(llm, tenant_header=args.tenant_header), host=args.host, port=args.port,
-                         drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+    app = create_app(llm, tenant_header=args.tenant_header, report_cached_tokens=not args.no_report_cached_tokens)
+    cut_off = run_server(app, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
+                         log_level=args.log_level)
     print(f"ttftc serve: stopped ({cut_off} requests cut off by the drain timeout)", file=sys.stderr)
     return 0

@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI's completions and chat endpoints over a `ttftc.LLM`, plus models, health and metrics.
 
-    app = create_app(llm, tenant_header="X-Tenant")
+    app = create_app(llm, tenant_header="X-Tenant", report_cached_tokens=True)
 
 Each request is validated in full before anything is queued, so a bad one gets its 400 (OpenAI's error shape)
 and costs the engine nothing. The prompt then goes to the LLM's engine thread; its tokens come back to this
@@ -10,6 +10,11 @@ request cancelled, which frees its KV and its slot.
 The tenant (the prefix-cache namespace) comes only from the header the operator named; without one configured,
 or without the header on a request, the request runs as PRIVATE: it shares no cached prefix with any other
 request. It never falls back to the LLM's default namespace, which belongs to in-process callers.
+
+`usage.prompt_tokens_details.cached_tokens` tells a client how much of its prompt was served from the cache, so
+whoever can set the tenant header can test guesses of what that tenant's prompts begin with (a cache block at a
+time): the header must be set (or stripped) by a trusted proxy. `report_cached_tokens=False` reports 0 instead
+(TTFT still tells a cached prefix from a cold one, more noisily).
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ MAX_BODY_BYTES = 8 << 20
 _GONE = object()  # put on a request's event queue when its client disconnects
 
 
-def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Optional[str] = None) -> FastAPI:
+def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Optional[str] = None,
+               report_cached_tokens: bool = True) -> FastAPI:
     app = FastAPI(title="ttftc", docs_url=None, redoc_url=None, openapi_url=None)
-    served = _Served(llm, model_name or llm.name, tenant_header)
+    served = _Served(llm, model_name or llm.name, tenant_header, report_cached_tokens)
     app.state.served = served
 
     @app.exception_handler(APIError)
@@ -105,10 +111,11 @@ async def _parse(request: Request, parse) -> GenerationRequest:
 class _Served:
     """What the endpoints share: the LLM, its name, the tenant header, the metrics, the draining flag."""
 
-    def __init__(self, llm: LLM, name: str, tenant_header: Optional[str]):
+    def __init__(self, llm: LLM, name: str, tenant_header: Optional[str], report_cached_tokens: bool = True):
         self.llm = llm
         self.name = name
         self.tenant_header = tenant_header
+        self.report_cached_tokens = report_cached_tokens
         self.draining = False
         self.created = int(time.time())
         cache = llm.prefix_cache
@@ -167,7 +174,7 @@ class _Served:
         except ValueError as exc:
             raise bad_request(str(exc), param="prompt") from None
         flight = _Flight(self, request, output, events)
-        shape = sse.ResponseShape(parsed.kind, self.name)
+        shape = sse.ResponseShape(parsed.kind, self.name, report_cached_tokens=self.report_cached_tokens)
         if parsed.stream:
             return StreamingResponse(self._stream(flight, shape, parsed.include_usage, arrived),
                                      media_type="text/event-stream",

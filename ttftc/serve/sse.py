@@ -34,6 +34,7 @@ class ResponseShape:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    report_cached_tokens: bool = True  # False: usage says 0 cached tokens (see ttftc/serve/app.py)
     _role_sent: bool = False
 
     def __post_init__(self):
@@ -64,7 +65,7 @@ class ResponseShape:
 
     def usage_chunk(self, completion: Completion) -> dict:
         payload = self._envelope([], chunk=True)
-        payload["usage"] = usage(completion)
+        payload["usage"] = usage(completion, self.report_cached_tokens)
         return payload
 
     def whole(self, completion: Completion) -> dict:
@@ -76,15 +77,15 @@ class ResponseShape:
         choice.update({"logprobs": None, "finish_reason": _finish(completion.finish_reason),
                        "token_ids": completion.token_ids})
         payload = self._envelope([choice], chunk=False)
-        payload["usage"] = usage(completion)
+        payload["usage"] = usage(completion, self.report_cached_tokens)
         return payload
 
 
-def usage(completion: Completion) -> dict:
+def usage(completion: Completion, report_cached_tokens: bool = True) -> dict:
     generated = len(completion.token_ids)
     return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": generated,
             "total_tokens": completion.prompt_tokens + generated,
-            "prompt_tokens_details": {"cached_tokens": completion.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": completion.cached_tokens if report_cached_tokens else 0}}
 
 
 def _finish(reason: Optional[str]) -> Optional[str]:
