@@ -6,7 +6,9 @@ local directory, as a user's own checkpoint would be. Nothing is downloaded.
     python3 examples/quickstart.py [--seq 256] [--repeats 5] [--precision auto,int8]
 
 "auto" runs bf16 where this CPU computes it natively and fp32 elsewhere (the probe's answer is printed); "int8"
-is W8A8 with the rest as "auto".
+is W8A8 with the rest as "auto". The TTFT table lists only variants faster than eager on this machine: int8 is
+skipped before it compiles where no int8 GEMM beats fp32 here (the measurement is printed), and a variant that
+measured slower than eager is named with its figure and a suggestion instead of a speed-up.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import ttftc
 from ttftc import zoo
 from ttftc.capabilities import probe
+from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 
 # llama-135m's layer shape (design.md) with half its layers: big enough that GEMMs dominate, as in real prefill.
 DEMO_MODEL = dict(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -60,6 +63,14 @@ def main() -> None:
     print(f"model: Llama, {params:.0f}M parameters, random weights; prompt: {args.seq} tokens; "
           f"{torch.get_num_threads()} threads")
     print(f"device: {probe('cpu').describe()}")
+    skipped = {}
+    if "int8" in configs:
+        int8 = int8_gemm_choice()
+        print(int8.describe())
+        if int8.gemm == "fp32":
+            skipped["ttftc-int8"] = (f"no fast int8 GEMM on this CPU (the best measured {int8.int8_speedup:.2f}x "
+                                     "fp32's speed); use precision='auto'")
+            del configs["int8"]
 
     ids = zoo.example_ids(model, args.seq)
     variants = {"eager": model}
@@ -83,11 +94,18 @@ def main() -> None:
     print(f"TTFT p50 over {args.repeats} interleaved runs (speed-up over eager fp32; same first token as eager):")
     for name, samples in times.items():
         p50 = statistics.median(samples)
+        if name != "eager" and p50 >= eager_ms:
+            skipped[name] = (f"measured {p50:.1f} ms here, {p50 / eager_ms:.2f}x eager's TTFT; try "
+                             "precision='auto' or `ttftc bench` to see why")
+            continue
         print(f"  {name:<12} {p50:8.1f} ms   {eager_ms / p50:5.2f}x   {same[name]}")
+    for name, why in skipped.items():
+        print(f"  {name:<12} skipped: {why}")
     print()
-    first_precision, first_config = next(iter(configs.items()))
-    print(f"explain, ttftc-{first_precision}:")
-    print(ttftc.explain(model, ids, config=first_config))
+    if configs:
+        first_precision, first_config = next(iter(configs.items()))
+        print(f"explain, ttftc-{first_precision}:")
+        print(ttftc.explain(model, ids, config=first_config))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def _weights(n, k, seed=0):
 
 @pytest.mark.parametrize("tokens", [5, 40, cpu.ROW_BLOCK + 37])  # below and across the row blocking
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_matches_reference(tokens, out_dtype):
+def test_int8_linear_matches_reference(tokens, out_dtype, each_int8_gemm):
     torch.manual_seed(0)
     x = torch.randn(1, tokens, 64)
     w, s = _weights(48, 64)
@@ -51,7 +51,8 @@ def _counting_int_mm(monkeypatch) -> list:
     return rows
 
 
-def test_long_prompts_run_one_gemm_per_row_block(monkeypatch):
+def test_long_prompts_run_one_gemm_per_row_block(monkeypatch, pin_int8_gemm):
+    pin_int8_gemm("int_mm")
     rows = _counting_int_mm(monkeypatch)
     tokens = 2 * cpu.ROW_BLOCK + 37
     x = torch.randn(tokens, 64)
@@ -61,7 +62,8 @@ def test_long_prompts_run_one_gemm_per_row_block(monkeypatch):
     torch.testing.assert_close(actual, int8_linear.reference(x, None, w, s, out_dtype=torch.float32))
 
 
-def test_a_wide_input_with_few_tokens_is_one_gemm(monkeypatch):
+def test_a_wide_input_with_few_tokens_is_one_gemm(monkeypatch, pin_int8_gemm):
+    pin_int8_gemm("int_mm")
     rows = _counting_int_mm(monkeypatch)
     x = torch.randn(5, cpu.ROW_BLOCK + 88)  # the blocking counts tokens, not the input width
     w, s = _weights(8, cpu.ROW_BLOCK + 88)
@@ -119,7 +121,7 @@ def test_norm_quant_matches_reference(glue, kind, with_residual, dtype, weight_d
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("tokens", [7, cpu.ROW_BLOCK + 3])
-def test_gated_ffn_int8_matches_reference(glue, act, tokens):
+def test_gated_ffn_int8_matches_reference(glue, act, tokens, each_int8_gemm):
     torch.manual_seed(2)
     x = torch.randn(tokens, 64)
     w_gu, s_gu = _weights(2 * 96, 64, seed=3)
@@ -129,7 +131,8 @@ def test_gated_ffn_int8_matches_reference(glue, act, tokens):
                                     out_dtype=torch.float32)
     # The activation between the GEMMs is requantised; fp32 summation order can move a tie by one step there.
     torch.testing.assert_close(actual, expected, atol=2e-3 * expected.abs().max().item(), rtol=0)
-    _ran_native(glue, "gated_quant")
+    if each_int8_gemm == "int_mm":  # only the int32 accumulator feeds the fused native epilogue
+        _ran_native(glue, "gated_quant")
 
 
 def test_capability_checks_explain_refusals():
@@ -215,10 +218,18 @@ def test_int8_refusals_check_the_given_scale_the_gate_up_split_and_the_residual(
             "residual shape or dtype differs from the input")
 
 
-def test_only_the_u8_gemm_candidate_needs_onednns_quantised_linear(monkeypatch):
+def test_autotune_never_tries_a_gemm_refused_here(pin_int8_gemm):
+    pin_int8_gemm("int_mm", refused={"onednn_u8": "no qlinear here"})
+    assert cpu._refused_gemm_constraint({"gemm": "onednn_u8"}, None) == "no qlinear here"
+    assert cpu._refused_gemm_constraint({"gemm": "int_mm"}, None) is None
+    assert cpu._refused_gemm_constraint({"gemm": "fp32"}, None) is None
+
+
+def test_only_the_u8_gemm_needs_onednns_quantised_linear(monkeypatch):
     monkeypatch.setattr(cpu, "onednn_u8_reason", lambda: "no qlinear here")
-    assert cpu._u8_gemm_constraint({"gemm": "onednn_u8"}, None) == "no qlinear here"
-    assert cpu._u8_gemm_constraint({"gemm": "int_mm"}, None) is None
+    assert cpu._unavailable_gemms() == {"onednn_u8": "no qlinear here"}
+    monkeypatch.delattr(torch, "_int_mm")
+    assert cpu._unavailable_gemms() == {"onednn_u8": "no qlinear here", "int_mm": "this torch has no torch._int_mm"}
 
 
 def test_every_capability_refusal_names_its_reason(monkeypatch):
@@ -282,7 +293,8 @@ def test_the_onednn_int8_probe_names_what_the_build_lacks(monkeypatch, available
     assert cpu.onednn_u8_reason.__wrapped__() == reason  # the uncached body
 
 
-def test_the_int8_ffn_runs_row_blocks_of_at_most_row_block_rows_once_each(monkeypatch):
+def test_the_int8_ffn_runs_row_blocks_of_at_most_row_block_rows_once_each(monkeypatch, pin_int8_gemm):
+    pin_int8_gemm("int_mm")
     torch.manual_seed(2)
     tokens = 2 * cpu.ROW_BLOCK + 3
     x = torch.randn(tokens, 64)

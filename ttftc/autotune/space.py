@@ -132,7 +132,9 @@ def all_spaces() -> dict[tuple, SearchSpace]:
 
 
 def random_inputs(problem: Problem, device: str) -> tuple[tuple, dict]:
-    """Random tensors with the problem's shapes; integer tensors get small non-negative values."""
+    """Random tensors with the problem's shapes. int8 tensors (quantised weights and activations) span the full
+    [-127, 127]: a candidate that is wrong only on large products (a saturating 16-bit pair sum) must fail the
+    tuner's check. Other integer tensors (lengths, indices) get small non-negative values."""
     generator = torch.Generator().manual_seed(0)
 
     def make(a):
@@ -140,6 +142,8 @@ def random_inputs(problem: Problem, device: str) -> tuple[tuple, dict]:
             return a
         if a.dtype.is_floating_point:
             return (torch.randn(a.shape, generator=generator) * 0.5).to(device=device, dtype=a.dtype)
+        if a.dtype == torch.int8:
+            return torch.randint(-127, 128, a.shape, generator=generator, dtype=torch.int8).to(device=device)
         return torch.randint(0, 8, a.shape, generator=generator).to(device=device, dtype=a.dtype)
 
     return tuple(make(a) for a in problem.args), {k: make(v) for k, v in problem.kwargs}

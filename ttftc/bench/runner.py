@@ -29,6 +29,7 @@ import torch
 
 from ttftc.capabilities import probe
 from ttftc.codegen.cpu._allocator import keep_freed_pages
+from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 
 from ttftc.bench.ablation import AblationStep, ablation_steps
 from ttftc.bench.caches import fresh_cache_dirs
@@ -315,6 +316,14 @@ def _model_info(spec: ModelSpec, model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def _capabilities(device: str) -> str:
+    """The probe's answer, and on CPU the int8 GEMM measured and chosen here, with its measurements."""
+    described = probe(torch.device(device).type).describe()
+    if torch.device(device).type == "cpu":
+        described += f"; {int8_gemm_choice().describe()}"
+    return described
+
+
 def _device_name(device: str) -> str:
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name()
@@ -381,7 +390,7 @@ def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, de
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": s.device,
         "device_name": _device_name(s.device),
-        "capabilities": probe(torch.device(s.device).type).describe(),
+        "capabilities": _capabilities(s.device),
         "malloc": keep_freed_pages() if s.device == "cpu" else None,
         "threads": torch.get_num_threads(),
         "versions": _versions(),

@@ -10,25 +10,31 @@ one llama-135m shape, slower on two), so there is no `prepare` step. The dequant
 the int32 accumulator (x int32·w_scale into a fresh fp32 buffer, then ·x_scale and +bias in place), in row
 blocks of ROW_BLOCK tokens. benchmarks/int8_cpu.py measures these choices against fp32 and bf16 `mm`.
 
-int8_linear has a second GEMM, `gemm="onednn_u8"`: oneDNN's quantised linear on a weight packed once into its
-blocked layout, with the activation as u8 (x + 128, zero point 128: oneDNN's fast s8 path wants an unsigned
-activation; measured 7.4 s instead of 0.8 ms with an s8 one on an Intel Xeon) and w_scale applied inside the
-GEMM. Which is faster depends on the CPU and the shape (measured on an AMD EPYC with avx512_vnni, M=512: from
-0.92x to 1.07x the time of `_int_mm` across llama-135m's and a SmolLM's shapes), so it is an autotune knob and
-`_int_mm` stays the default. A packed weight is an opaque oneDNN tensor that no file format stores, so it is
-packed when the lowering first runs in a process (PACKED), never at compile time.
+int8_linear has two more GEMMs, and which one runs is measured on the machine at hand (int8_gemm_choice.py):
+- `gemm="onednn_u8"`: oneDNN's quantised linear on a weight packed once into its blocked layout, with the
+  activation as u8 (x + 128, zero point 128: oneDNN's fast s8 path wants an unsigned activation) and w_scale
+  applied inside the GEMM. It is exact only where the CPU has VNNI, which the choice checks before it times it.
+- `gemm="fp32"`: one fp32 GEMM over the integer-valued operands (the weight converted once per process), the
+  W8A8 numbers at fp32 speed: what runs where no int8 GEMM beats fp32 (ATen's `_int_mm` without VNNI is a plain
+  loop), so precision="int8" never costs more than fp32 does.
+The measured winner is the default of every int8 GEMM (int8_linear and gated_ffn_int8); `ttftc autotune` may
+still pick another per shape. Packed and converted weights are derived data that no file format stores, so they
+are made when the lowering first runs in a process (PACKED, FLOAT_WEIGHTS), never at compile time.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
+from typing import Callable
 
 import torch
 
 from ttftc.autotune.space import SearchSpace, register_space
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
+from ttftc.codegen.cpu.int8_gemm_choice import FP32, Int8GemmChoice, measure
 from ttftc.codegen.cpu.ffn import activation_
 from ttftc.codegen.cpu.norm import (native_norm_fits, native_norm_rows, native_residual_out, norm_reason,
                                     normalize_cpu, residual_add)
@@ -108,9 +114,9 @@ def _weight_reason(x, w, s, bias=None) -> str | None:
     return None
 
 
-# -- oneDNN's quantised linear on packed weights -------------------------------------------------------------
+# -- oneDNN's quantised linear on packed weights, and the fp32 GEMM over int8 operands ------------------------
 
-INT8_GEMMS = ("int_mm", "onednn_u8")
+INT8_GEMMS = ("int_mm", "onednn_u8", FP32)
 U8_ZERO_POINT = 128
 
 
@@ -126,24 +132,36 @@ def onednn_u8_reason() -> str | None:
     return None
 
 
-class PackedWeights:
-    """Weights packed for oneDNN, one per frozen int8 weight tensor, held only as long as the weight lives."""
+class PerWeight:
+    """A tensor derived once from each frozen int8 weight (`derive(weight, rows_hint)`), held only as long as the
+    weight lives."""
 
-    def __init__(self):
-        # id(weight) -> (weak reference to it, packed). Keyed by identity: tensors compare elementwise.
-        self._packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+    def __init__(self, derive: Callable[[torch.Tensor, int], torch.Tensor]):
+        self._derive = derive
+        # id(weight) -> (weak reference to it, derived). Keyed by identity: tensors compare elementwise.
+        self._entries: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
     def get(self, w_int8: torch.Tensor, rows_hint: int) -> torch.Tensor:
         key = id(w_int8)
-        entry = self._packed.get(key)
+        entry = self._entries.get(key)
         if entry is not None and entry[0]() is w_int8:
             return entry[1]
-        packed = torch.ops.onednn.qlinear_prepack(w_int8, [rows_hint, w_int8.shape[1]])
-        self._packed[key] = (weakref.ref(w_int8, lambda _, key=key: self._packed.pop(key, None)), packed)
-        return packed
+        derived = self._derive(w_int8, rows_hint)
+        self._entries[key] = (weakref.ref(w_int8, lambda _, key=key: self._entries.pop(key, None)), derived)
+        return derived
+
+
+class PackedWeights(PerWeight):
+    """Weights packed for oneDNN's quantised linear."""
+
+    def __init__(self):
+        super().__init__(lambda w_int8, rows_hint: torch.ops.onednn.qlinear_prepack(w_int8, [rows_hint,
+                                                                                             w_int8.shape[1]]))
 
 
 PACKED = PackedWeights()
+# fp32 copies of the int8 weights: integer-valued, so the fp32 GEMM sums the same products as the int8 one.
+FLOAT_WEIGHTS = PerWeight(lambda w_int8, rows_hint: w_int8.float())
 
 
 def onednn_u8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tensor, w_scale, bias, out_dtype):
@@ -158,6 +176,48 @@ def onednn_u8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tensor
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
+def fp32_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tensor, w_scale, bias, out_dtype):
+    """xq [M, K] int8, x_scale [M] → [M, N] out_dtype through one fp32 GEMM over the integer-valued operands:
+    exactly the int32 product while its sums stay below 2**24 (any K up to 1040 at full range), the epilogue in
+    the order of dequant_epilogue's."""
+    out = torch.mm(xq.float(), FLOAT_WEIGHTS.get(w_int8, xq.shape[0]).t())
+    out.mul_(w_scale)
+    out.mul_(x_scale.reshape(-1, 1))
+    if bias is not None:
+        out.add_(bias)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+GEMMS = {"int_mm": int8_gemm, "onednn_u8": onednn_u8_gemm, FP32: fp32_gemm}
+
+
+def _unavailable_gemms() -> dict[str, str]:
+    unavailable = {}
+    if not hasattr(torch, "_int_mm"):
+        unavailable["int_mm"] = "this torch has no torch._int_mm"
+    if onednn_u8_reason() is not None:
+        unavailable["onednn_u8"] = onednn_u8_reason()
+    return unavailable
+
+
+@functools.cache
+def int8_gemm_choice() -> Int8GemmChoice:
+    """This process's measured int8 GEMM (int8_gemm_choice.py); warns once where none beats fp32."""
+    choice = measure(GEMMS, _unavailable_gemms())
+    if choice.gemm == FP32:
+        warnings.warn(f"ttftc: precision='int8' on this CPU: no int8 GEMM beats fp32 here ({choice.describe()}), so "
+                      "the int8 linears run as fp32 GEMMs over the int8 weights: the W8A8 numbers at fp32 speed. "
+                      "precision='auto' is faster.", RuntimeWarning, stacklevel=2)
+    return choice
+
+
+def _gemm_for(tuning_config) -> Callable[..., torch.Tensor]:
+    """The tuned GEMM where it is usable here (exact, not slower than fp32), else the measured default."""
+    choice = int8_gemm_choice()
+    tuned = (tuning_config or {}).get("gemm")
+    return GEMMS[tuned if tuned in GEMMS and choice.usable(tuned) else choice.gemm]
+
+
 # -- int8_linear -------------------------------------------------------------------------------------------
 
 def _int8_linear_reason(ctx, x, x_scale, w_int8, w_scale, bias=None, *, out_dtype):
@@ -168,21 +228,17 @@ def _int8_linear_reason(ctx, x, x_scale, w_int8, w_scale, bias=None, *, out_dtyp
 @honours_num_threads
 def int8_linear_cpu(x, x_scale, w_int8, w_scale, bias=None, *, out_dtype, tuning_config=None):
     xq, xs = _as_rows(x, x_scale)
-    gemm = (tuning_config or {}).get("gemm", "int_mm")
-    if gemm == "onednn_u8" and onednn_u8_reason() is None:
-        out = onednn_u8_gemm(xq, xs, w_int8, w_scale, bias, out_dtype)
-    else:  # the default, and a cache entry tuned on a build that had oneDNN's quantised linear
-        out = int8_gemm(xq, xs, w_int8, w_scale, bias, out_dtype)
+    out = _gemm_for(tuning_config)(xq, xs, w_int8, w_scale, bias, out_dtype)
     return out.view(*x.shape[:-1], w_int8.shape[0])
 
 
-def _u8_gemm_constraint(config: dict, problem) -> str | None:
-    return onednn_u8_reason() if config["gemm"] == "onednn_u8" else None
+def _refused_gemm_constraint(config: dict, problem) -> str | None:
+    return int8_gemm_choice().refused.get(config["gemm"])
 
 
 register_space(with_thread_axis(SearchSpace("int8_linear", "cpu", axes={"gemm": INT8_GEMMS},
-                                            default=lambda problem: {"gemm": "int_mm"},
-                                            constraints=(_u8_gemm_constraint,))))
+                                            default=lambda problem: {"gemm": int8_gemm_choice().gemm},
+                                            constraints=(_refused_gemm_constraint,))))
 
 
 # -- quantize_per_token --------------------------------------------------------------------------------------
@@ -234,17 +290,27 @@ def gated_ffn_int8_cpu(x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale,
                        act, out_dtype):
     xq, xs = _as_rows(x, x_scale)
     inter = w_gate_up.shape[0] // 2
+    gemm = GEMMS[int8_gemm_choice().gemm]
     out = torch.empty(xq.shape[0], w_down.shape[0], dtype=out_dtype, device=x.device)
     # One row block runs the whole FFN (gate|up GEMM, act·mul, quantise, down GEMM): long prompts never hold
     # more than ROW_BLOCK rows of the [tokens, 2I] intermediates.
     for start in range(0, xq.shape[0], ROW_BLOCK):
         stop = min(xq.shape[0], start + ROW_BLOCK)
-        acc = torch._int_mm(xq[start:stop], w_gate_up.t())
-        if act in _native.ACTIVATION_CODES and _native.unavailable_reason() is None:
-            hq, hs = _native.gated_quant(acc, xs[start:stop], gate_up_scale, b_gate_up, act)
+        if gemm is int8_gemm:  # the int32 accumulator goes straight into the fused native epilogue
+            acc = torch._int_mm(xq[start:stop], w_gate_up.t())
+            if act in _native.ACTIVATION_CODES and _native.unavailable_reason() is None:
+                hq, hs = _native.gated_quant(acc, xs[start:stop], gate_up_scale, b_gate_up, act)
+            else:
+                hq, hs = _gate(dequant_epilogue(acc, xs[start:stop], gate_up_scale, b_gate_up, torch.float32), act)
+            out[start:stop] = dequant_epilogue(torch._int_mm(hq, w_down.t()), hs, down_scale, b_down, out_dtype)
         else:
-            gate_up = dequant_epilogue(acc, xs[start:stop], gate_up_scale, b_gate_up, torch.float32)
-            h = activation_(gate_up[:, :inter], act).mul_(gate_up[:, inter:])
-            hq, hs = quantize_rows(h)
-        out[start:stop] = dequant_epilogue(torch._int_mm(hq, w_down.t()), hs, down_scale, b_down, out_dtype)
+            hq, hs = _gate(gemm(xq[start:stop], xs[start:stop], w_gate_up, gate_up_scale, b_gate_up, torch.float32),
+                           act)
+            out[start:stop] = gemm(hq, hs, w_down, down_scale, b_down, out_dtype)
     return out.view(*x.shape[:-1], w_down.shape[0])
+
+
+def _gate(gate_up: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(gate)·up of a dequantised [rows, 2I] gate|up product, quantised per row for the down GEMM."""
+    inter = gate_up.shape[1] // 2
+    return quantize_rows(activation_(gate_up[:, :inter], act).mul_(gate_up[:, inter:]))

@@ -1,5 +1,8 @@
 """The W8A8 ops for Inductor: `torch._int_mm` for the int8 GEMMs, everything else aten.
 
+On a CPU where `_int_mm` is not usable (ATen's plain loop without VNNI measured slower than fp32: see
+codegen/cpu/int8_gemm_choice.py) these lowerings refuse, and Inductor calls the CPU lowerings as extern kernels.
+
 Quantisation (the norm or activation that produces the int8 input, per-token scales), dequantisation (x_scale ·
 w_scale, bias, the cast to the output dtype) and the act·mul of the gated FFN become loops Inductor fuses with each
 other and with the glue around them; the reference's arithmetic is kept (fp32 statistics and scales, symmetric
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 from ttftc.codegen.inductor import inductor_reason
 from ttftc.codegen.lowering import register_lowering
 from ttftc.ops.ffn import apply_activation
@@ -21,7 +25,11 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _int_mm_reason(ctx) -> str | None:
-    return inductor_reason(ctx) or (None if hasattr(torch, "_int_mm") else "this torch has no torch._int_mm")
+    reason = inductor_reason(ctx) or (None if hasattr(torch, "_int_mm") else "this torch has no torch._int_mm")
+    if reason is None and ctx.device_type == "cpu" and not int8_gemm_choice().usable("int_mm"):
+        # The CPU lowering (called from Inductor's code as an extern kernel) runs the GEMM measured usable instead.
+        return f"torch._int_mm is not the int8 GEMM for this CPU: {int8_gemm_choice().describe()}"
+    return reason
 
 
 def _rows(x: torch.Tensor, x_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
