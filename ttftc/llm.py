@@ -50,6 +50,7 @@ DEFAULT_CHUNK_TOKENS = 128
 _FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "cancelled", "error": "error"}
 
 Prompt = Union[str, Sequence[int]]
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # torch.Generator.manual_seed's range
 
 
 class ParamError(ValueError):
@@ -86,8 +87,9 @@ class GenerationParams:
             raise ParamError("top_p", f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ParamError("top_k", f"top_k must be a positive integer or null, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ParamError("seed", f"seed must be an integer or null, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise ParamError("seed", f"seed must be null or an integer from {SEED_MIN} to {SEED_MAX} (what a torch "
+                                     f"generator takes), got {self.seed!r}")
         if len(self.stop) > 4 or not all(isinstance(s, str) and s for s in self.stop):
             raise ParamError("stop", "stop must be a non-empty string or a list of up to 4 non-empty strings")
         if not all(_is_int(t) for t in self.stop_token_ids):

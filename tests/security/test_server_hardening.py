@@ -25,7 +25,7 @@ from tests.runtime.test_scheduler_logic import FakeEngine
 from tests.runtime.test_scheduler_logic import prompt as fake_prompt
 from tests.runtime.test_scheduler_logic import scheduler as fake_scheduler
 from tests.serve.helpers import metric, wait_until
-from ttftc.llm import GenerationParams
+from ttftc.llm import GenerationParams, ParamError
 from ttftc.runtime.scheduler import ERROR, LENGTH, Request
 from ttftc.serve import BackgroundServer, create_app
 from ttftc.text import StopStrings
@@ -195,9 +195,11 @@ def test_a_bad_seed_fails_only_its_own_row_of_a_shared_prefill(llm, monkeypatch)
     monkeypatch.setattr(llm.scheduler, "batch_window_s", 0.5)  # the five arrive in one window
     lengths, bad = (10, 12, 14, 16, 18), 2  # the bad row is in the middle of the batch
     events: queue.Queue = queue.Queue()
-    outputs = [llm.open(prompt(n, seed=n), GenerationParams(max_new_tokens=4, seed=2**64 if i == bad else i,
-                                                            ignore_eos=True), events.put)
-               for i, n in enumerate(lengths)]
+    with pytest.raises(ParamError, match="seed must be null or an integer from"):
+        GenerationParams(seed=2**64)  # refused up front in-process too; the row below gets past that on purpose
+    params = [GenerationParams(max_new_tokens=4, seed=i, ignore_eos=True) for i in range(len(lengths))]
+    object.__setattr__(params[bad], "seed", 2**64)  # a row that fails inside the shared prefill
+    outputs = [llm.open(prompt(n, seed=n), params[i], events.put) for i, n in enumerate(lengths)]
     by_id = {o.request_id: o for o in outputs}
     deadline = time.monotonic() + TIMEOUT_S
     while not all(o.done for o in outputs):

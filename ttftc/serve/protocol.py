@@ -22,7 +22,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # OpenAI's chat default is "up to the context"; a random-weight preset would ramble
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # torch.Generator.manual_seed's range
 
 # Accepted and ignored: they do not change what is generated.
 _IGNORED = {"user", "metadata", "store", "service_tier"}
@@ -173,9 +172,6 @@ def _params(body: dict, max_tokens: Any, default_max: int, max_name: str) -> Gen
     temperature = body.get("temperature")
     top_p = body.get("top_p")
     seed = body.get("seed")
-    if type(seed) is int and not SEED_MIN <= seed <= SEED_MAX:
-        raise bad_request(f"seed must be an integer from {SEED_MIN} to {SEED_MAX} (what a torch generator takes), "
-                          f"got {seed}", param="seed")
     try:
         return GenerationParams(
             max_new_tokens=default_max if max_tokens is None else max_tokens,
