@@ -86,6 +86,18 @@ def test_a_saturating_gemm_is_refused_and_the_real_candidates_are_exact():
             assert exactness_reason(gemm) == measured, name  # the process's check says the same
 
 
+def layout_blind_gemm(xq, x_scale, w_int8, w_scale, bias, out_dtype):
+    """A GEMM that reads the weight's storage as row-major [N, K] whatever its strides (the bug the u8 path had
+    on GPT-2's transposed Conv1D weights)."""
+    storage_order = torch.as_strided(w_int8, w_int8.shape, (w_int8.shape[1], 1))
+    return cpu.fp32_gemm(xq, x_scale, storage_order, w_scale, bias, out_dtype)
+
+
+def test_a_gemm_that_misreads_a_transposed_weight_is_refused():
+    reason = exactness_reason(layout_blind_gemm)
+    assert reason is not None and "with a transposed-view weight" in reason, reason
+
+
 def test_full_range_operands_reach_the_products_that_saturate():
     xq, w = full_range_operands(4, 64, 4)
     assert int(xq.min()) == -127 and int(xq.max()) == 127 and int(w.min()) == -127 and int(w.max()) == 127
@@ -111,7 +123,7 @@ def test_measure_refuses_before_it_times_and_gives_up_on_a_hopeless_candidate():
                      {"absent": "not in this build"}, shape=(16, 64, 64))
     assert choice.gemm == FP32 and set(choice.ms) == {FP32, "slow"}
     assert choice.refused["saturating"].startswith(SATURATED) and choice.refused["absent"] == "not in this build"
-    assert calls == {"saturating": 1, "slow": 2}  # the exactness check, then one timed call: hopeless, not repeated
+    assert calls == {"saturating": 1, "slow": 3}  # exactness (2 layouts), then one timed call: hopeless, not repeated
 
 
 def test_an_inexact_fp32_fallback_is_an_error_not_a_choice():

@@ -34,6 +34,15 @@ def test_u8_path_matches_int_mm(out_dtype, with_bias):
                                atol=1e-5 if out_dtype == torch.float32 else 1e-2)
 
 
+def test_u8_path_packs_a_transposed_view_weight_as_the_matrix_it_is():
+    x, w_q, w_s, bias = _operands()
+    w_view = w_q.t().contiguous().t()  # the same [N, K] values, stored column-major (GPT-2's Conv1D)
+    expected = cpu_int8.int8_linear_cpu(x, None, w_q, w_s, bias, out_dtype=torch.float32,
+                                        tuning_config={"gemm": "int_mm"})
+    actual = cpu_int8.onednn_u8_gemm(*quantize_per_token(x.reshape(-1, 64)), w_view, w_s, bias, torch.float32)
+    torch.testing.assert_close(actual.view_as(expected), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_u8_path_takes_a_fused_producers_int8_input():
     x, w_q, w_s, bias = _operands()
     xq, xs = quantize_per_token(x)

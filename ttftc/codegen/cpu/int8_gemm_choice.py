@@ -94,14 +94,16 @@ def exactness_reason(gemm: Gemm, *, shape: tuple[int, int, int] = (64, 256, 64))
     m, k, n = shape
     xq, w = full_range_operands(m, k, n)
     exact = (xq.to(torch.int64) @ w.to(torch.int64).t()).to(torch.float32)
-    try:
-        out = gemm(xq, torch.ones(m), w, torch.ones(n), None, torch.float32).float()
-    except Exception as exc:  # a candidate this build cannot run is refused, not fatal
-        return f"{type(exc).__name__}: {exc}"
-    wrong = int((out != exact).sum())
-    if wrong:
-        return (f"differs from the exact int32 product on {wrong} of {out.numel()} elements of full-range operands "
-                f"(max difference {float((out - exact).abs().max()):.0f})")
+    # Both layouts a frozen weight comes in: row-major [N, K], and a transposed view (GPT-2's Conv1D).
+    for layout, weight in (("", w), (" with a transposed-view weight", w.t().contiguous().t())):
+        try:
+            out = gemm(xq, torch.ones(m), weight, torch.ones(n), None, torch.float32).float()
+        except Exception as exc:  # a candidate this build cannot run is refused, not fatal
+            return f"{type(exc).__name__}: {exc}"
+        wrong = int((out != exact).sum())
+        if wrong:
+            return (f"differs from the exact int32 product on {wrong} of {out.numel()} elements of full-range "
+                    f"operands{layout} (max difference {float((out - exact).abs().max()):.0f})")
     return None
 
 

@@ -155,8 +155,10 @@ class PackedWeights(PerWeight):
     """Weights packed for oneDNN's quantised linear."""
 
     def __init__(self):
-        super().__init__(lambda w_int8, rows_hint: torch.ops.onednn.qlinear_prepack(w_int8, [rows_hint,
-                                                                                             w_int8.shape[1]]))
+        # contiguous(): the prepack reads the weight's storage as row-major [N, K], so a transposed view (GPT-2's
+        # Conv1D weight) would be packed as another matrix.
+        super().__init__(lambda w_int8, rows_hint: torch.ops.onednn.qlinear_prepack(w_int8.contiguous(), [
+            rows_hint, w_int8.shape[1]]))
 
 
 PACKED = PackedWeights()
