@@ -14,10 +14,14 @@ import torch.fx as fx
 
 from ttftc.codegen import lowering
 from ttftc.codegen.cpu._allocator import keep_freed_pages
+from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 from ttftc.config import Config
 from ttftc.passes.graph_utils import op_histogram
 from ttftc.passes.manager import PassManager
 from ttftc.report import Report, graph_flops, make_report
+
+
+INT8_GEMM_OPS = ("int8_linear", "gated_ffn_int8")
 
 
 def run_pipeline(gm: fx.GraphModule, config: Config, *, autotune_cache=None, as_ops: bool = False,
@@ -35,6 +39,8 @@ def run_pipeline(gm: fx.GraphModule, config: Config, *, autotune_cache=None, as_
                                      autotune_cache=autotune_cache, as_ops=as_ops)
     if _runs_on_cpu(gm):
         notes.append(keep_freed_pages())
+        if any(d.op in INT8_GEMM_OPS for d in decisions):  # which int8 GEMM runs here, and what it measured
+            notes.append(int8_gemm_choice().describe())
     return make_report(stats, ops_before, ops_after, decisions, flops, {p.name: p.uuid() for p in manager.passes},
                        notes)
 

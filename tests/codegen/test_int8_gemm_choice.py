@@ -238,3 +238,15 @@ def test_the_choice_under_onednn_capped_at_avx2_runs_only_exact_gemms():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["gemm"] not in result["refused"] and result["gemm"] in result["errors"]
     assert all(error < 1e-4 for error in result["errors"].values()), result
+
+
+def test_explain_names_the_int8_gemm_chosen_here_and_only_for_int8():
+    pytest.importorskip("transformers")
+    import ttftc
+    from ttftc import zoo
+
+    model = zoo.build("llama", "sdpa")
+    ids = zoo.example_ids(model, 12)
+    note = cpu.int8_gemm_choice().describe()
+    assert note in ttftc.explain(model, ids, config=ttftc.Config(precision="int8")).notes
+    assert note not in ttftc.explain(model, ids, config=ttftc.Config(precision="fp32")).notes
