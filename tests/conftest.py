@@ -43,3 +43,32 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def pin_int8_gemm(monkeypatch):
+    """`pin(name, refused)` makes the CPU int8 lowerings see `name` as this process's measured int8 GEMM (and
+    `refused` as the candidates refused here), as on a CPU whose measurement chose it."""
+    from ttftc.codegen.cpu import int8_linear
+    from ttftc.codegen.inductor import int8_linear as inductor_int8
+    from ttftc.codegen.cpu.int8_gemm_choice import Int8GemmChoice
+
+    def pin(name: str | Int8GemmChoice, refused: dict | None = None) -> Int8GemmChoice:
+        choice = name if isinstance(name, Int8GemmChoice) else Int8GemmChoice(name, (1, 1, 1), {}, refused or {})
+        monkeypatch.setattr(int8_linear, "int8_gemm_choice", lambda: choice)
+        monkeypatch.setattr(inductor_int8, "int8_gemm_choice", lambda: choice)
+        return choice
+
+    return pin
+
+
+@pytest.fixture(params=("int_mm", "onednn_u8", "fp32"))
+def each_int8_gemm(request, pin_int8_gemm):
+    """Runs the test once per int8 GEMM candidate that this CPU runs exactly, pinned as the measured choice."""
+    from ttftc.codegen.cpu import int8_linear
+
+    refused = int8_linear.int8_gemm_choice().refused
+    if request.param in refused:
+        pytest.skip(f"{request.param} is refused here: {refused[request.param]}")
+    pin_int8_gemm(request.param, refused)
+    return request.param

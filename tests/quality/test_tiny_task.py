@@ -44,6 +44,14 @@ def test_checked_in_weights_are_small_and_trained(setup):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 def test_accuracy_through_ttftc_stays_within_one_point(setup, precision):
+    _check_accuracy(setup, precision)
+
+
+def test_int8_accuracy_stays_within_one_point_through_every_int8_gemm(setup, each_int8_gemm):
+    _check_accuracy(setup, "int8")
+
+
+def _check_accuracy(setup, precision):
     evaluate, model, batch, eager_acc, eager_logits = setup
     acc, logits = evaluate.evaluate(model, precision, batch)
     cos = torch.nn.functional.cosine_similarity(logits.double().flatten(), eager_logits.double().flatten(), dim=0)
