@@ -20,9 +20,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
+
+from ttftc.autotune.space import knob_reason
+from ttftc.cache.confined import read_regular
 
 SCHEMA = 1
+# An entry is a few hundred bytes; a file much larger is not one (and a link to /dev/zero is refused before this).
+MAX_ENTRY_BYTES = 1 << 20
 DIR_ENV = "TTFTC_AUTOTUNE_CACHE"  # the autotune directory itself
 ROOT_ENV = "TTFTC_CACHE_DIR"  # ttftc's cache root; autotune/ below it
 
@@ -105,7 +110,7 @@ class AutotuneCache:
 
     def _read(self, path: Path) -> Optional[TuneEntry]:
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(read_regular(path, limit=MAX_ENTRY_BYTES))
             if raw.get("schema") != SCHEMA:
                 raise ValueError(f"schema {raw.get('schema')!r}, expected {SCHEMA}")
             entry = TuneEntry(
@@ -126,12 +131,19 @@ class AutotuneCache:
             return None
         return entry
 
-    def lookup(self, key: TuneKey) -> Optional[TuneEntry]:
+    def lookup(self, key: TuneKey, *, axes: Optional[Mapping[str, tuple]] = None) -> Optional[TuneEntry]:
+        """The entry stored for `key`, if it is fresh and, with `axes` (autotune.space.tuning_axes of the op whose
+        kernel will read it), its config is a point of that space: a knob reaches a kernel as a block or buffer
+        size, so a file must not choose it freely."""
         entry = self._read(self.directory / f"{key.digest()}.json")
         if entry is None:
             return None
         if entry.versions != current_versions():
             self._warn_once(f"stale entry for {key.op} (tuned with {entry.versions}, running {current_versions()})")
+            return None
+        reason = None if axes is None else knob_reason(entry.config, axes)
+        if reason is not None:
+            self._warn_once(f"entry for {key.op} has a config outside its autotune space ({reason})")
             return None
         return entry
 

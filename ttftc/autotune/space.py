@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -129,6 +129,39 @@ def space_for(op: str, provider: str, device_type: Optional[str] = None) -> Opti
 
 def all_spaces() -> dict[tuple, SearchSpace]:
     return dict(_SPACES)
+
+
+# Knobs every machine tunes to its own value (a thread count): any value in this range is a point of the space.
+MACHINE_KNOBS = {"num_threads": (1, 1024)}
+
+
+def tuning_axes(op: str, provider: str) -> Optional[dict[str, tuple]]:
+    """Every knob the autotune spaces of (op, provider) define, on any device, with all the values they try."""
+    axes: dict[str, tuple] = {}
+    for space in _SPACES.values():
+        if space.op == op and space.provider == provider:
+            for knob, values in space.axes.items():
+                axes[knob] = axes.get(knob, ()) + tuple(values)
+    return axes or None
+
+
+def knob_reason(config: Any, axes: Optional[Mapping[str, tuple]]) -> Optional[str]:
+    """None when `config` (read from a file: an artifact's graph, a compile-cache entry, an autotune entry) is a point
+    of the space whose `axes` are given: known knobs, each with a value its axis tries (or, for a MACHINE_KNOBS knob,
+    an int in its range, or None). Else why not. Values reach kernels as block and buffer sizes, so a value no
+    tuning run can produce is refused, not clamped."""
+    if not isinstance(config, dict):
+        return f"a tuned config must be a dict of knobs, got {type(config).__name__}"
+    for knob, value in config.items():
+        if axes is None or knob not in axes:
+            return f"{knob!r} is not a knob of this lowering's autotune space"
+        if knob in MACHINE_KNOBS and value is not None:
+            low, high = MACHINE_KNOBS[knob]
+            if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+                return f"{knob}={value!r} is not an int in [{low}, {high}]"
+        elif not any(value == v and type(value) is type(v) for v in axes[knob]):
+            return f"{knob}={value!r} is not a value its axis tries {tuple(axes[knob])}"[:200]
+    return None
 
 
 def random_inputs(problem: Problem, device: str) -> tuple[tuple, dict]:

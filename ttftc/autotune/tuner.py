@@ -186,7 +186,7 @@ def tune_instances(
         if space is None or impl is None:
             results.append(TuneResult(inst.problem, inst.bucket, f"skipped: {inst.problem.provider} has no knobs"))
             continue
-        cached = None if retune else cache.lookup(key_for(inst.problem, device))
+        cached = None if retune else cache.lookup(key_for(inst.problem, device), axes=space.axes)
         if cached is not None:
             results.append(TuneResult(inst.problem, inst.bucket, "cached", cached.config, cached.tuned_ms,
                                       cached.default_ms))

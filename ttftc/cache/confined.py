@@ -15,6 +15,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Optional
 
 _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")
 
@@ -45,8 +46,9 @@ def regular_file(path: Path) -> Path:
     return path
 
 
-def read_regular(path: Path) -> bytes:
-    """The bytes of the regular file at `path`, refusing a symlink or a special file at the last component."""
+def read_regular(path: Path, *, limit: Optional[int] = None) -> bytes:
+    """The bytes of the regular file at `path`, refusing a symlink or a special file at the last component, and a
+    file of more than `limit` bytes (None: any size)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
@@ -56,4 +58,7 @@ def read_regular(path: Path) -> bytes:
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise UnsafePathError(f"{path} is not a regular file")
-        return f.read()
+        data = f.read() if limit is None else f.read(limit + 1)
+        if limit is not None and len(data) > limit:
+            raise UnsafePathError(f"{path} is larger than {limit} bytes")
+        return data

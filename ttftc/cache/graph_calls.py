@@ -32,6 +32,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
+from ttftc.autotune.space import knob_reason, tuning_axes
+
 OP_NAMESPACES = ("aten", "ttftc")
 GETITEM = "_operator:getitem"
 TUNING_CONFIG = "tuning_config"
@@ -181,19 +183,7 @@ def _resolve_function(name: str) -> Callee:
     if missing:
         raise GraphFormatError(f"lowering {name} does not take the arguments {missing} of ttftc::{lowering.op}")
     return Callee(lowering.impl, name, _params(schema, False), TUNING_CONFIG in accepted, _produces(schema),
-                  tuning_axes=_tuning_axes(lowering.op, lowering.provider))
-
-
-def _tuning_axes(op: str, provider: str) -> Optional[dict[str, tuple]]:
-    """Every knob the autotune spaces of (op, provider) define, on any device, with all the values they try."""
-    from ttftc.autotune.space import all_spaces
-
-    axes: dict[str, tuple] = {}
-    for space in all_spaces().values():
-        if space.op == op and space.provider == provider:
-            for knob, values in space.axes.items():
-                axes[knob] = axes.get(knob, ()) + tuple(values)
-    return axes or None
+                  tuning_axes=tuning_axes(lowering.op, lowering.provider))
 
 
 def resolve_target(data: Any) -> Callee:
@@ -283,28 +273,15 @@ def _params(schema: torch._C.FunctionSchema, wraps_numbers: bool) -> tuple[Param
                        _check_for(a.real_type, a.N, wraps_numbers)) for a in schema.arguments)
 
 
-def _fits_axis(value: Any, values: tuple) -> bool:
-    """Whether a tuned knob value is of a kind its autotune axis tries: a listed string, or a number of the axis's
-    type (a count tuned on another machine need not be listed; thread counts are clamped where applied)."""
-    if value is None or isinstance(value, str):
-        return value in values
-    if isinstance(value, bool):
-        return any(isinstance(v, bool) for v in values)
-    if isinstance(value, int):
-        return any(isinstance(v, int) and not isinstance(v, bool) for v in values)
-    return isinstance(value, float) and any(isinstance(v, float) for v in values)
-
-
 def _check_tuning(value: Any, axes: Optional[Mapping[str, tuple]], where: str) -> None:
-    """A tuned config is a point of the lowering's search space: known knobs, each with a value of its kind."""
+    """A tuned config is a point of the lowering's search space (autotune.space.knob_reason)."""
     if value is None:
         return
     if not isinstance(value, dict) or not all(v is None or isinstance(v, (bool, int, float, str)) for v in value.values()):
         raise GraphFormatError(f"{where}: {TUNING_CONFIG} must be a dict of scalars, got {value!r}"[:200])
-    for knob, knob_value in value.items():
-        if axes is None or knob not in axes or not _fits_axis(knob_value, axes[knob]):
-            raise GraphFormatError(f"{where}: {TUNING_CONFIG} {knob}={knob_value!r} is not a point of this "
-                                   f"lowering's autotune space"[:200])
+    reason = knob_reason(value, axes)
+    if reason is not None:
+        raise GraphFormatError(f"{where}: {TUNING_CONFIG}: {reason}"[:300])
 
 
 def check_call(callee: Callee, args: tuple, kwargs: dict, produced: Mapping[str, Produces], where: str) -> Produces:

@@ -164,14 +164,15 @@ def _tuned_config(op: str, provider: str, node: fx.Node, cache=None) -> Optional
     cache), if `ttftc autotune` stored one. Only for static shapes (see codegen/tuned_per_shape.py)."""
     from ttftc.autotune.cache import AutotuneCache
     from ttftc.autotune.keys import key_for
-    from ttftc.autotune.space import Problem
+    from ttftc.autotune.space import Problem, tuning_axes
 
     device_type = _node_device_type(node)
     if not _tunable(op, provider, node) or not _is_static(node):
         return None
     args, kwargs = _meta(node.args), _meta(node.kwargs)
     cache = cache if cache is not None else AutotuneCache()
-    entry = cache.lookup(key_for(Problem.from_meta(op, provider, args, kwargs), device_type))
+    entry = cache.lookup(key_for(Problem.from_meta(op, provider, args, kwargs), device_type),
+                         axes=tuning_axes(op, provider))
     return entry.config if entry is not None else None
 
 

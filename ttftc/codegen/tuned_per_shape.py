@@ -35,13 +35,14 @@ class TunedPerShape:
     def _config_for(self, args, kwargs) -> Optional[dict]:
         from ttftc.autotune.cache import AutotuneCache
         from ttftc.autotune.keys import key_for
-        from ttftc.autotune.space import Problem
+        from ttftc.autotune.space import Problem, tuning_axes
 
         signature = self._signature(args, kwargs)
         config = self.configs.get(signature, _UNSEEN)
         if config is _UNSEEN:
             cache = self.cache if self.cache is not None else AutotuneCache()
-            entry = cache.lookup(key_for(Problem.from_meta(self.op, self.provider, args, kwargs), self.device_type))
+            entry = cache.lookup(key_for(Problem.from_meta(self.op, self.provider, args, kwargs), self.device_type),
+                                 axes=tuning_axes(self.op, self.provider))
             config = self.configs[signature] = entry.config if entry is not None else None
         return config
 
