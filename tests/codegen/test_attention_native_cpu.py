@@ -204,17 +204,21 @@ def _bad_input_cases():
          "kv_len must be a contiguous int64 tensor of shape (1,)"),
         (dict(good, kv_len=torch.tensor([8, 8])), "kv_len must be a contiguous int64 tensor of shape (1,)"),
         (dict(good, k=k[:, :0], v=v[:, :0]), "query heads are not a multiple of kv heads"),
-        (dict(good, block_k=0), _BAD_COUNTS),
-        (dict(good, q_offset=-1), _BAD_COUNTS),
-        (dict(good, window=-1), _BAD_COUNTS),
-        (dict(good, threads=0), _BAD_COUNTS),
+        (dict(good, block_k=0), f"block_k must be in [1, {_native.MAX_BLOCK_K}], got 0"),
+        (dict(good, block_k=2**61), f"block_k must be in [1, {_native.MAX_BLOCK_K}], got {2**61}"),
+        (dict(good, block_k=8.0), "block_k must be an int, got float 8.0"),
+        (dict(good, q_offset=-1), f"q_offset must be in [0, {_native.MAX_POSITION}], got -1"),
+        (dict(good, q_offset=_native.MAX_POSITION), f"positions past {_native.MAX_POSITION} (the masks compare "
+                                                     "positions as fp32)"),
+        (dict(good, window=-1), f"window must be in [0, {2**63 - 1}], got -1"),
+        (dict(good, threads=0), f"threads must be in [1, {_native.MAX_THREADS}], got 0"),
+        (dict(good, threads=True), "threads must be an int, got bool True"),
+        (dict(good, out=out.to("meta")), "attention: out is on meta, not the CPU"),
+        (dict(good, kv_len=torch.tensor([8], device="meta")), "attention: kv_len is on meta, not the CPU"),
     ]
 
 
-_BAD_COUNTS = "q_offset and window must be >= 0, block_k and threads >= 1"
-
-
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(len(_bad_input_cases())))
 def test_bad_inputs_are_refused_before_any_pointer_is_used(case):
     args, message = _bad_input_cases()[case]
     with pytest.raises(ValueError) as refused:

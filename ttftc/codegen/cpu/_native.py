@@ -5,8 +5,10 @@ sources other than the ones next to this file) `unavailable_reason()` says why, 
 step aside for their ATen paths. A build from other sources is refused rather than trusted: a kernel edited in
 csrc/ and not rebuilt would otherwise run the old code under the new source hash that every cache key carries.
 
-Every wrapper validates what it hands over (device, dtype, shapes, unit stride along the last dimension): the
-C++ side works on raw pointers and trusts its arguments.
+Every wrapper validates what it hands over, before it takes a pointer: every tensor's device (the CPU: a meta tensor's
+data_ptr() is 0), dtype, shape and unit stride along the last dimension, and every count's type and range. The C++
+side works on raw pointers and trusts them; it checks only its own size arithmetic and allocations (a failure there
+is a MemoryError, never an abort).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 # Head dims the attention kernel takes: its register tiles cover 8 output columns at a time on every ISA.
 ATTENTION_DIM_MULTIPLE = 8
+# Keys per attention block: the kernel visits min(block_k, keys left) at a time, so a block_k past the keys is one
+# block of all of them (the C++ side clamps it). Up to this many is taken whatever the keys; more is refused, as is
+# less than one: no block size is tuned near it (autotune tries 32-256), and it only sized the working memory.
+MAX_BLOCK_K = 1 << 12
+# Threads a call may ask for (the kernels never start more than they have work items for).
+MAX_THREADS = 1 << 12
+# The attention masks compare query and key positions as fp32, which holds every integer up to 2**24 exactly.
+MAX_POSITION = 1 << 24
 
 
 def source_digest(directory: Path = CSRC) -> str:
@@ -103,8 +113,9 @@ def attention_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if isa() == "avx512_bf16" else (torch.float32,)
 
 
-def attention_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
-    """None when attention() takes these tensors (metadata only), else why not."""
+def attention_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> Optional[str]:
+    """None when attention() takes these tensors with queries from position q_offset on (metadata only), else why
+    not."""
     reason = unavailable_reason()
     if reason is not None:
         return reason
@@ -120,7 +131,25 @@ def attention_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optio
         return f"head dims {q.shape[-1]}, {v.shape[-1]} are not multiples of {ATTENTION_DIM_MULTIPLE}"
     if any(t.device.type != "cpu" for t in (q, k, v)):
         return "tensors are not on the CPU"
+    if q_offset + q.shape[2] > MAX_POSITION or k.shape[2] > MAX_POSITION:
+        return f"positions past {MAX_POSITION} (the masks compare positions as fp32)"
     return None
+
+
+def _count(name: str, value, low: int, high: int) -> int:
+    """`value` as a Python int in [low, high], else a ValueError naming it: a count becomes a C int64 and sizes memory."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}"[:200])
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return int(value)
+
+
+def _on_cpu(name: str, **tensors: Optional[torch.Tensor]) -> None:
+    """Every given tensor lives in CPU memory (a meta tensor has no data: its data_ptr() is 0)."""
+    for what, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name}: {what} is on {t.device}, not the CPU")
 
 
 def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int, window: int, block_k: int,
@@ -131,9 +160,12 @@ def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int
     dimension contiguous. Query i sits at key position q_offset + i; causal hides keys after it, window (> 0,
     causal only) keys at or before q_offset + i - window, kv_len[b] (int64, optional) keys from kv_len[b] on.
     A query that sees no key gets zeros. pack_kv (fp32 only; ignored for bf16): copy K and V into the kernel's
-    tile order first, into a buffer the calling thread keeps for the next call (up to 64 MiB).
+    tile order first, into a buffer the calling thread keeps for the next call (up to 64 MiB). block_k: keys per
+    block, in [1, max(Skv, MAX_BLOCK_K)]; threads: in [1, MAX_THREADS]; positions (q_offset + Sq, Skv) up to
+    MAX_POSITION.
     """
-    reason = attention_reason(q, k, v)
+    _on_cpu("attention", out=out, kv_len=kv_len)
+    reason = attention_reason(q, k, v, _count("q_offset", q_offset, 0, MAX_POSITION))
     if reason is not None:
         raise ValueError(reason)
     b, hq, sq, d = q.shape
@@ -144,14 +176,16 @@ def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int
         raise ValueError("q, k, v and out need a contiguous last dimension")
     if kv_len is not None and (kv_len.dtype != torch.int64 or tuple(kv_len.shape) != (b,) or not kv_len.is_contiguous()):
         raise ValueError(f"kv_len must be a contiguous int64 tensor of shape ({b},)")
-    if q_offset < 0 or window < 0 or block_k < 1 or threads < 1:
-        raise ValueError("q_offset and window must be >= 0, block_k and threads >= 1")
+    # A window past every query's position hides nothing, as one of exactly that size does: clamped, it stays exact
+    # in the kernel's fp32 position arithmetic.
+    window = min(_count("window", window, 0, 2**63 - 1), q_offset + sq)
+    block_k = _count("block_k", block_k, 1, max(skv, MAX_BLOCK_K))
+    threads = _count("threads", threads, 1, MAX_THREADS)
     if out.numel() == 0:
         return out
     ints = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if kv_len is None else kv_len.data_ptr(),
             b, hq, hkv, sq, skv, d, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            int(bool(causal)), int(q_offset), int(window), int(block_k), int(threads), int(q.dtype == torch.bfloat16),
-            int(bool(pack_kv)))
+            int(bool(causal)), q_offset, window, block_k, threads, int(q.dtype == torch.bfloat16), int(bool(pack_kv)))
     _call("attention", ints, float(scale))
     return out
 
@@ -211,6 +245,8 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _norm_call(x2d, weight, bias, residual2d, *, layer: bool, eps: float, quantize: bool):
     _check(rows_reason(x2d) is None, f"norm: {rows_reason(x2d)}")
+    _on_cpu("norm", weight=weight, bias=bias if layer else None, residual=residual2d)
+    _check(x2d.dim() == 2, f"norm: x must be [M, K], got shape {tuple(x2d.shape)}")
     m, k = x2d.shape
     _check(x2d.is_contiguous() and weight.is_contiguous() and tuple(weight.shape) == (k,), "norm: shapes")
     _check(weight.dtype in (torch.float32, x2d.dtype), f"norm: weight dtype {weight.dtype}")
@@ -269,8 +305,9 @@ def dequant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bia
             out_dtype: torch.dtype) -> torch.Tensor:
     """acc [M, N] int32 -> acc * w_scale[None, :] * x_scale[:, None] (+ bias) as out_dtype (fp32/bf16)."""
     _check(unavailable_reason() is None, f"dequant: {unavailable_reason()}")
+    _on_cpu("dequant", acc=acc, x_scale=x_scale, w_scale=w_scale, bias=bias)
+    _check(acc.dim() == 2 and acc.dtype == torch.int32 and _rows_ready(acc), "dequant: acc must be int32 rows")
     m, n = acc.shape
-    _check(acc.dtype == torch.int32 and _rows_ready(acc), "dequant: acc must be int32 rows")
     _check(out_dtype in ROW_DTYPES, f"dequant: out dtype {out_dtype}")
     x_scale = x_scale.reshape(-1).float().contiguous()
     w_scale = w_scale.float().contiguous()
@@ -289,8 +326,10 @@ def gated_quant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
     """acc [M, 2I] int32 (gate | up) -> act(dequant(gate)) * dequant(up) -> int8 per row: (q [M, I], scale [M])."""
     _check(unavailable_reason() is None, f"gated_quant: {unavailable_reason()}")
     _check(act in ACTIVATION_CODES, f"gated_quant: activation {act!r}")
+    _on_cpu("gated_quant", acc=acc, x_scale=x_scale, w_scale=w_scale, bias=bias)
+    _check(acc.dim() == 2 and acc.dtype == torch.int32 and acc.is_contiguous() and acc.shape[1] % 2 == 0,
+           "gated_quant: acc must be int32 [M, 2I]")
     m, two_i = acc.shape
-    _check(acc.dtype == torch.int32 and acc.is_contiguous() and two_i % 2 == 0, "gated_quant: acc must be int32 [M, 2I]")
     x_scale = x_scale.reshape(-1).float().contiguous()
     w_scale = w_scale.float().contiguous()
     bias = None if bias is None else bias.float().contiguous()

@@ -203,7 +203,7 @@ def _native_attention(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: 
 
 def _attend(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: int, window: int, tuning: dict) -> torch.Tensor:
     kernel = tuning["kernel"] or fastest_kernel(q.dtype)
-    if kernel == "native" and _native.attention_reason(q, k, v) is None:
+    if kernel == "native" and _native.attention_reason(q, k, v, q_offset) is None:
         return _native_attention(q, k, v, kv_len, causal=causal, scale=scale, q_offset=q_offset, window=window,
                                  block_k=int(tuning["native_block_k"]))
     if kv_len is not None:

@@ -119,6 +119,6 @@ struct BF16 {
   }
 };
 
-static void attention_bf16(const AttentionArgs& a, int threads) { attention_with<BF16>(a, threads); }
+static bool attention_bf16(const AttentionArgs& a, int threads) { return attention_with<BF16>(a, threads); }
 
 }  // namespace TTFTC_NS

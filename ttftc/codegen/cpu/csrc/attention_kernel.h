@@ -151,9 +151,14 @@ struct F32Packed : F32 {
   }
 };
 
-// Floats of the K and V copies pack_kv writes.
+// Floats of the K and V copies pack_kv writes; 0 (no copy: read in place) where that overflows.
 static size_t packed_kv_floats(const AttentionArgs& a) {
-  return size_t(a.batch * a.hkv * (a.skv + R - 1) / R * R * (a.d + a.dv));
+  size_t heads, keys, floats;
+  if (!size_product(a.batch, a.hkv, &heads) || a.skv > INT64_MAX - R || a.d > INT64_MAX - a.dv ||
+      !size_product(int64_t(heads), (a.skv + R - 1) / R * R, &keys) || keys > size_t(INT64_MAX) ||
+      !size_product(int64_t(keys), a.d + a.dv, &floats))
+    return 0;
+  return floats;
 }
 
 // K of every (batch, kv head) as tiles [key / R][d][key % R], then V as panels [d / R][key][d % R], into `buffer`
@@ -163,7 +168,7 @@ static AttentionArgs pack_kv(const AttentionArgs& a, float* buffer, int threads)
   const int64_t tiles = (a.skv + R - 1) / R, k_head = tiles * R * a.d, panel = tiles * R * R, v_head = tiles * R * a.dv;
   float* kp = buffer;
   float* vp = buffer + a.batch * a.hkv * k_head;
-  parallel_for<int>(a.batch * a.hkv, threads, [](int&) {}, [&](int&, int64_t bh) {
+  parallel_for<int>(a.batch * a.hkv, threads, [](int&) { return true; }, [&](int&, int64_t bh) {
     const int64_t b = bh / a.hkv, h = bh % a.hkv;
     const float* k = static_cast<const float*>(a.k) + b * a.k_sb + h * a.k_sh;
     const float* v = static_cast<const float*>(a.v) + b * a.v_sb + h * a.v_sh;
@@ -286,14 +291,15 @@ static void attend_block(const AttentionArgs& a, Scratch& s, int64_t b, int64_t 
   for (int64_t i = 0; i < n_q; ++i) Kernel::store(o + (i0 + i) * a.o_ss, s.ot + i, DV, BQ, inv[i]);
 }
 
+// False where the working memory of a thread cannot be allocated (the sizes overflow, or memory is exhausted).
 template <class Kernel>
-static void attention_with(const AttentionArgs& a, int threads) {
+static bool attention_with(const AttentionArgs& a, int threads) {
   const int C = a.sq > 2 * VW ? 3 : a.sq > VW ? 2 : 1;
   const int64_t bq = C * VW;
   const int64_t q_blocks = (a.sq + bq - 1) / bq;
   const int64_t heads = a.batch * a.hq;
   // Later query blocks see more keys under a causal mask: hand them out first, so the cheap ones fill the end.
-  parallel_for<Scratch>(q_blocks * heads, threads, [&](Scratch& s) { s.reserve(a.d, a.dv, a.block_k, bq, R); },
+  return parallel_for<Scratch>(q_blocks * heads, threads, [&](Scratch& s) { return s.reserve(a.d, a.dv, a.block_k, bq, R); },
                [&](Scratch& s, int64_t item) {
                  const int64_t qb = q_blocks - 1 - item / heads, bh = item % heads;
                  const int64_t b = bh / a.hq, h = bh % a.hq;
@@ -304,15 +310,14 @@ static void attention_with(const AttentionArgs& a, int threads) {
 }
 
 // fp32: with a.pack_kv, K and V are first copied into tile order (the caller decides when that pays).
-static void attention(const AttentionArgs& a, int threads) {
+static bool attention(const AttentionArgs& a, int threads) {
   PackedKV& buffer = packed_kv_buffer();
-  float* base = a.pack_kv ? buffer.reserve(packed_kv_floats(a)) : nullptr;
-  if (base == nullptr) {  // not asked to, or out of memory for the copy: read in place
-    attention_with<F32>(a, threads);
-    return;
-  }
-  attention_with<F32Packed>(pack_kv(a, base, threads), threads);
+  const size_t floats = a.pack_kv ? packed_kv_floats(a) : 0;
+  float* base = floats ? buffer.reserve(floats) : nullptr;
+  if (base == nullptr) return attention_with<F32>(a, threads);  // not asked to, or no memory for the copy: in place
+  const bool done = attention_with<F32Packed>(pack_kv(a, base, threads), threads);
   buffer.trim();
+  return done;
 }
 
 }  // namespace TTFTC_NS

@@ -6,8 +6,10 @@
 // So a build never depends on the build machine's CPU (no -march=native): the same .so is right on an AMD EPYC
 // with AVX-512 and on an older Xeon without it.
 //
-// The Python side (ttftc/codegen/cpu/_native.py) validates every tensor (device, dtype, shapes, strides)
-// before it hands raw pointers here; this file trusts what it is given.
+// The Python side (ttftc/codegen/cpu/_native.py) validates every tensor (device, dtype, shapes, strides) and every
+// count before it hands raw pointers here; this file trusts the pointers it is given. What it does not trust is its
+// own size arithmetic: every allocation size is computed with overflow checks and every allocation is checked, and
+// a failure is a Python exception (MemoryError, or ValueError for a count out of range), never an abort.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,13 +22,29 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <initializer_list>
 #include <thread>
 #include <vector>
 
 namespace {
+
+// `floats` floats as a byte count rounded up to 64 (aligned_alloc's rule); false where that overflows size_t.
+bool aligned_bytes(size_t floats, size_t* bytes) {
+  size_t raw;
+  if (__builtin_mul_overflow(floats, sizeof(float), &raw) || __builtin_add_overflow(raw, size_t(63), &raw)) return false;
+  *bytes = raw / 64 * 64;
+  return true;
+}
+
+// a * b for non-negative sizes, false where it is negative or overflows size_t.
+bool size_product(int64_t a, int64_t b, size_t* out) {
+  return a >= 0 && b >= 0 && !__builtin_mul_overflow(size_t(a), size_t(b), out);
+}
 
 struct AttentionArgs {
   const void* q;  // fp32, or bf16 for attention_bf16
@@ -51,10 +69,12 @@ struct PackedKV {
   float* data = nullptr;
   size_t capacity = 0;
 
+  // Null when `floats` does not fit in memory (or its byte count in size_t): the caller reads K and V in place.
   float* reserve(size_t floats) {
     if (floats > capacity) {
       std::free(data);
-      data = static_cast<float*>(std::aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64));
+      size_t bytes = 0;
+      data = aligned_bytes(floats, &bytes) ? static_cast<float*>(std::aligned_alloc(64, bytes)) : nullptr;
       capacity = data ? floats : 0;
     }
     return data;
@@ -148,19 +168,26 @@ struct Scratch {
   float qscale = 1.0f;  // bf16 kernel: applied to the fp32 scores
   void* base = nullptr;
 
-  void reserve(int64_t d, int64_t dv, int64_t block_k, int64_t bq, int64_t r) {
+  // False (nothing allocated) where a size overflows or the memory is not there.
+  bool reserve(int64_t d, int64_t dv, int64_t block_k, int64_t bq, int64_t r) {
+    if (block_k < 1 || r < 1 || block_k > INT64_MAX - r) return false;
     const int64_t rows = (block_k + r - 1) / r * r;
-    const size_t sizes[5] = {size_t(d * bq), size_t(rows * bq), size_t(dv * bq), size_t(rows * bq / 2 + bq),
-                             size_t(rows * dv / 2 + dv)};
-    float** parts[5] = {&qt, &st, &ot, &pt, &vt};
-    size_t bytes = 0;
-    for (size_t n : sizes) bytes += (n * sizeof(float) + 63) / 64 * 64;
-    base = std::aligned_alloc(64, bytes);
-    char* p = static_cast<char*>(base);
+    size_t qt_n, st_n, ot_n, pt_n, vt_n;
+    if (!size_product(d, bq, &qt_n) || !size_product(rows, bq, &st_n) || !size_product(dv, bq, &ot_n) ||
+        !size_product(rows / 2 + 1, bq, &pt_n) || !size_product(rows / 2 + 1, dv, &vt_n))
+      return false;
+    const size_t sizes[5] = {qt_n, st_n, ot_n, pt_n, vt_n};  // rows is even: (rows / 2 + 1) n = rows n / 2 + n
+    size_t offsets[5], bytes = 0;
     for (int i = 0; i < 5; ++i) {
-      *parts[i] = reinterpret_cast<float*>(p);
-      p += (sizes[i] * sizeof(float) + 63) / 64 * 64;
+      size_t part;
+      offsets[i] = bytes;
+      if (!aligned_bytes(sizes[i], &part) || __builtin_add_overflow(bytes, part, &bytes)) return false;
     }
+    base = std::aligned_alloc(64, std::max<size_t>(bytes, 64));
+    if (base == nullptr) return false;
+    float** parts[5] = {&qt, &st, &ot, &pt, &vt};
+    for (int i = 0; i < 5; ++i) *parts[i] = reinterpret_cast<float*>(static_cast<char*>(base) + offsets[i]);
+    return true;
   }
   ~Scratch() { std::free(base); }
 };
@@ -184,30 +211,45 @@ void run_team_task(void* task) {
 
 // Runs body(state, item) for item in [0, n) on `threads` threads (the caller is one of them), each with its own
 // State, handing items out one at a time from a shared counter: work items differ in cost (causal masks), so
-// static splits idle.
+// static splits idle. init(state) returns false (or throws, e.g. std::bad_alloc) when it cannot set up its working
+// memory; then no thread takes another item and parallel_for returns false: the caller reports it to Python. An
+// exception must not leave a worker (on an OpenMP or std::thread worker it would terminate the process).
 template <class State, class Init, class Body>
-void parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
+bool parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
   std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
   auto worker = [&]() {
     State s;
-    init(s);
-    for (int64_t item = next.fetch_add(1); item < n; item = next.fetch_add(1)) body(s, item);
+    bool ready = false;
+    try {
+      ready = init(s);
+    } catch (const std::exception&) {
+      ready = false;
+    }
+    if (!ready) {
+      failed.store(true);
+      return;
+    }
+    for (int64_t item = next.fetch_add(1); item < n && !failed.load(std::memory_order_relaxed); item = next.fetch_add(1))
+      body(s, item);
   };
   threads = int(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
   if (threads == 1) {
     worker();
-    return;
-  }
-  if (gomp_parallel) {
+  } else if (gomp_parallel) {
     TeamTask task{[](void* w) { (*static_cast<decltype(worker)*>(w))(); }, &worker};
     gomp_parallel(run_team_task, &task, unsigned(threads), 0);
-    return;
+  } else {
+    std::vector<std::thread> pool;
+    try {
+      pool.reserve(threads - 1);
+      for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+    } catch (const std::exception&) {  // no more threads: the ones started (and this one) take every item
+    }
+    worker();
+    for (auto& t : pool) t.join();
   }
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
+  return !failed.load();
 }
 
 }  // namespace
@@ -303,8 +345,9 @@ const char* isa_name(Isa isa) {
 #endif
 constexpr int kIsas = 4;
 
+// A kernel returns false where a thread's working memory cannot be allocated (parallel_for).
 template <class Args>
-using Kernel = void (*)(const Args&, int);
+using Kernel = bool (*)(const Args&, int);
 
 // Reads `count` Python ints from a tuple; false with a Python error set when that fails.
 bool parse_ints(PyObject* args, const char* name, Py_ssize_t count, int64_t* out, double* real) {
@@ -322,11 +365,32 @@ bool parse_ints(PyObject* args, const char* name, Py_ssize_t count, int64_t* out
   return true;
 }
 
+// False with a ValueError set unless every count is non-negative (sizes, and offsets that index forward only).
+bool non_negative(const char* name, std::initializer_list<int64_t> counts) {
+  for (int64_t n : counts) {
+    if (n < 0) {
+      PyErr_Format(PyExc_ValueError, "%s: a size or count is negative (%lld)", name, (long long)n);
+      return false;
+    }
+  }
+  return true;
+}
+
 template <class Args>
-PyObject* run(const Kernel<Args> (&by_isa)[kIsas], const Args& a, int64_t threads) {
+PyObject* run(const char* name, const Kernel<Args> (&by_isa)[kIsas], const Args& a, int64_t threads) {
+  if (threads < 1 || threads > INT_MAX) {
+    PyErr_Format(PyExc_ValueError, "%s: threads must be in [1, %d], got %lld", name, INT_MAX, (long long)threads);
+    return nullptr;
+  }
+  bool done;
   Py_BEGIN_ALLOW_THREADS
-  by_isa[int(kIsa)](a, int(threads));
+  done = by_isa[int(kIsa)](a, int(threads));
   Py_END_ALLOW_THREADS
+  if (!done) {
+    PyErr_Format(PyExc_MemoryError, "%s: the working memory of a thread cannot be allocated (its size overflows or "
+                 "memory is exhausted)", name);
+    return nullptr;
+  }
   Py_RETURN_NONE;
 }
 
@@ -356,14 +420,24 @@ PyObject* attention(PyObject*, PyObject* args) {
   a.causal = x[24] != 0; a.q_offset = x[25]; a.window = x[26]; a.block_k = x[27];
   a.scale = float(scale);
   a.pack_kv = x[30] != 0;
+  if (!non_negative("attention", {a.batch, a.hq, a.hkv, a.sq, a.skv, a.d, a.dv, a.q_offset, a.window})) return nullptr;
+  if (a.block_k < 1 || a.hkv < 1 || a.hq % a.hkv != 0) {
+    PyErr_Format(PyExc_ValueError, "attention: block_k (%lld) and kv heads (%lld) must be >= 1, query heads (%lld) a "
+                 "multiple of kv heads", (long long)a.block_k, (long long)a.hkv, (long long)a.hq);
+    return nullptr;
+  }
+  // A block holds at most the keys there are (the kernel visits min(block_k, keys left) at a time), so past them
+  // block_k only sized the working memory. Clamped to the keys rounded up to 8 (a multiple of every ISA's register
+  // tile), blocks and results are the same as unclamped.
+  a.block_k = std::min(a.block_k, (std::max<int64_t>(a.skv, 1) + 7) / 8 * 8);
   if (x[29] == 0) {
     static const Kernel<AttentionArgs> kernels[kIsas] = TTFTC_BY_ISA(attention);
-    return run(kernels, a, x[28]);
+    return run("attention", kernels, a, x[28]);
   }
 #ifdef TTFTC_X86
   if (kIsa == Isa::avx512_bf16) {
     static const Kernel<AttentionArgs> kernels[kIsas] = {nullptr, nullptr, nullptr, isa_avx512_bf16::attention_bf16};
-    return run(kernels, a, x[28]);
+    return run("attention", kernels, a, x[28]);
   }
 #endif
   PyErr_Format(PyExc_ValueError, "bf16 attention needs the avx512_bf16 kernels; this process runs %s", isa_name(kIsa));
@@ -375,8 +449,9 @@ PyObject* quantize_rows(PyObject*, PyObject* args) {
   int64_t x[8];
   if (!parse_ints(args, "quantize_rows", 8, x, nullptr)) return nullptr;
   QuantArgs a{ptr<const void>(x[0]), x[2], ptr<int8_t>(x[3]), ptr<float>(x[4]), x[5], x[6], x[1] != 0};
+  if (!non_negative("quantize_rows", {a.m, a.k})) return nullptr;
   static const Kernel<QuantArgs> kernels[kIsas] = TTFTC_BY_ISA(quantize_rows_any);
-  return run(kernels, a, x[7]);
+  return run("quantize_rows", kernels, a, x[7]);
 }
 
 // norm(ints, eps): ints = (x, residual, residual_out, weight, bias, q, scale, out, m, k, x_bf16, w_bf16, layer,
@@ -388,8 +463,9 @@ PyObject* norm(PyObject*, PyObject* args) {
   NormArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<void>(x[2]), ptr<const void>(x[3]),
              ptr<const void>(x[4]), ptr<int8_t>(x[5]), ptr<float>(x[6]), ptr<void>(x[7]), x[8], x[9],
              x[10] != 0, x[11] != 0, x[12] != 0, x[13] != 0, float(eps)};
+  if (!non_negative("norm", {a.m, a.k})) return nullptr;
   static const Kernel<NormArgs> kernels[kIsas] = TTFTC_BY_ISA(norm_any);
-  return run(kernels, a, x[14]);
+  return run("norm", kernels, a, x[14]);
 }
 
 // gated_act(ints) = (x, x_row_stride, out, m, inter, act, bf16, threads)
@@ -397,8 +473,9 @@ PyObject* gated_act(PyObject*, PyObject* args) {
   int64_t x[8];
   if (!parse_ints(args, "gated_act", 8, x, nullptr)) return nullptr;
   GatedActArgs a{ptr<const void>(x[0]), x[1], ptr<void>(x[2]), x[3], x[4], int(x[5]), x[6] != 0};
+  if (!non_negative("gated_act", {a.m, a.inter})) return nullptr;
   static const Kernel<GatedActArgs> kernels[kIsas] = TTFTC_BY_ISA(gated_act_any);
-  return run(kernels, a, x[7]);
+  return run("gated_act", kernels, a, x[7]);
 }
 
 // rope(ints) = (x, cos, sin, out, batch, heads, seq, head_dim, x strides b/h/s, cos strides, sin strides, out
@@ -409,8 +486,9 @@ PyObject* rope(PyObject*, PyObject* args) {
   RopeArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<const void>(x[2]), ptr<void>(x[3]), x[4], x[5], x[6],
              x[7], {x[8], x[9], x[10]}, {x[11], x[12], x[13]}, {x[14], x[15], x[16]}, {x[17], x[18], x[19]},
              x[20] != 0};
+  if (!non_negative("rope", {a.batch, a.h, a.s, a.d})) return nullptr;
   static const Kernel<RopeArgs> kernels[kIsas] = TTFTC_BY_ISA(rope_any);
-  return run(kernels, a, x[21]);
+  return run("rope", kernels, a, x[21]);
 }
 
 // dequant(ints) = (acc, acc_row_stride, x_scale, w_scale, bias or 0, out, out_row_stride, m, n, out_bf16, threads)
@@ -419,8 +497,9 @@ PyObject* dequant(PyObject*, PyObject* args) {
   if (!parse_ints(args, "dequant", 11, x, nullptr)) return nullptr;
   DequantArgs a{ptr<const int32_t>(x[0]), x[1], ptr<const float>(x[2]), ptr<const float>(x[3]),
                 ptr<const float>(x[4]), ptr<void>(x[5]), x[6], x[7], x[8], x[9] != 0};
+  if (!non_negative("dequant", {a.m, a.n})) return nullptr;
   static const Kernel<DequantArgs> kernels[kIsas] = TTFTC_BY_ISA(dequant_any);
-  return run(kernels, a, x[10]);
+  return run("dequant", kernels, a, x[10]);
 }
 
 // gated_quant(ints) = (acc, x_scale, w_scale, bias or 0, q, scale, m, inter, act, threads)
@@ -429,8 +508,9 @@ PyObject* gated_quant(PyObject*, PyObject* args) {
   if (!parse_ints(args, "gated_quant", 10, x, nullptr)) return nullptr;
   GatedQuantArgs a{ptr<const int32_t>(x[0]), ptr<const float>(x[1]), ptr<const float>(x[2]), ptr<const float>(x[3]),
                    ptr<int8_t>(x[4]), ptr<float>(x[5]), x[6], x[7], int(x[8])};
+  if (!non_negative("gated_quant", {a.m, a.inter})) return nullptr;
   static const Kernel<GatedQuantArgs> kernels[kIsas] = TTFTC_BY_ISA(gated_quant_any);
-  return run(kernels, a, x[9]);
+  return run("gated_quant", kernels, a, x[9]);
 }
 
 PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(kIsa)); }

@@ -34,9 +34,9 @@ static void rope_position(const RopeArgs& a, std::vector<float>&, int64_t item) 
   }
 }
 
-static void rope_any(const RopeArgs& a, int threads) {
-  if (a.bf16) rows(a, a.batch * a.s, 0, threads, rope_position<uint16_t>);
-  else rows(a, a.batch * a.s, 0, threads, rope_position<float>);
+static bool rope_any(const RopeArgs& a, int threads) {
+  return a.bf16 ? rows(a, a.batch * a.s, 0, threads, rope_position<uint16_t>)
+                : rows(a, a.batch * a.s, 0, threads, rope_position<float>);
 }
 
 }  // namespace TTFTC_NS

@@ -271,48 +271,48 @@ static void gated_act(const GatedActArgs& a, std::vector<float>&, int64_t m) {
   for (; i < a.inter; ++i) store1(out + i, as_dtype1<T>(act1(load1(gate + i), a.act)) * load1(up + i));
 }
 
-// Row kernels: items are chunks of rows, each thread keeps one fp32 row of scratch.
+// Row kernels: items are chunks of rows, each thread keeps one fp32 row of scratch. False where that row cannot be
+// allocated (parallel_for).
 template <class Args, class Fn>
-static void rows(const Args& a, int64_t m, int64_t width, int threads, Fn fn) {
+static bool rows(const Args& a, int64_t m, int64_t width, int threads, Fn fn) {
   constexpr int64_t kChunk = 8;
-  parallel_for<std::vector<float>>(
-      (m + kChunk - 1) / kChunk, threads, [&](std::vector<float>& row) { row.resize(size_t(width) + VW); },
+  return parallel_for<std::vector<float>>(
+      (m + kChunk - 1) / kChunk, threads,
+      [&](std::vector<float>& row) {
+        if (width < 0 || width > INT64_MAX - VW) return false;
+        row.resize(size_t(width) + VW);  // std::bad_alloc, std::length_error: parallel_for catches them
+        return true;
+      },
       [&](std::vector<float>& row, int64_t item) {
         const int64_t stop = std::min(m, (item + 1) * kChunk);
         for (int64_t r = item * kChunk; r < stop; ++r) fn(a, row, r);
       });
 }
 
-static void quantize_rows_any(const QuantArgs& a, int threads) {
-  if (a.x_bf16) rows(a, a.m, a.k, threads, quantize_rows<uint16_t>);
-  else rows(a, a.m, a.k, threads, quantize_rows<float>);
+static bool quantize_rows_any(const QuantArgs& a, int threads) {
+  return a.x_bf16 ? rows(a, a.m, a.k, threads, quantize_rows<uint16_t>) : rows(a, a.m, a.k, threads, quantize_rows<float>);
 }
 
-static void norm_any(const NormArgs& a, int threads) {
+static bool norm_any(const NormArgs& a, int threads) {
   using B = uint16_t;
   if (a.q) {
-    if (a.x_bf16 && a.w_bf16) rows(a, a.m, a.k, threads, norm_quant<B, B>);
-    else if (a.x_bf16) rows(a, a.m, a.k, threads, norm_quant<B, float>);
-    else rows(a, a.m, a.k, threads, norm_quant<float, float>);
-  } else if (a.x_bf16 && a.w_bf16) {
-    rows(a, a.m, a.k, threads, norm_rows<B, B, B>);
-  } else if (a.x_bf16) {  // an fp32 RMSNorm weight promotes the output to fp32
-    rows(a, a.m, a.k, threads, norm_rows<B, float, float>);
-  } else {
-    rows(a, a.m, a.k, threads, norm_rows<float, float, float>);
+    if (a.x_bf16 && a.w_bf16) return rows(a, a.m, a.k, threads, norm_quant<B, B>);
+    if (a.x_bf16) return rows(a, a.m, a.k, threads, norm_quant<B, float>);
+    return rows(a, a.m, a.k, threads, norm_quant<float, float>);
   }
+  if (a.x_bf16 && a.w_bf16) return rows(a, a.m, a.k, threads, norm_rows<B, B, B>);
+  if (a.x_bf16) return rows(a, a.m, a.k, threads, norm_rows<B, float, float>);  // an fp32 RMSNorm weight: fp32 out
+  return rows(a, a.m, a.k, threads, norm_rows<float, float, float>);
 }
 
-static void dequant_any(const DequantArgs& a, int threads) {
-  if (a.out_bf16) rows(a, a.m, 0, threads, dequant<uint16_t>);
-  else rows(a, a.m, 0, threads, dequant<float>);
+static bool dequant_any(const DequantArgs& a, int threads) {
+  return a.out_bf16 ? rows(a, a.m, 0, threads, dequant<uint16_t>) : rows(a, a.m, 0, threads, dequant<float>);
 }
 
-static void gated_quant_any(const GatedQuantArgs& a, int threads) { rows(a, a.m, a.inter, threads, gated_quant); }
+static bool gated_quant_any(const GatedQuantArgs& a, int threads) { return rows(a, a.m, a.inter, threads, gated_quant); }
 
-static void gated_act_any(const GatedActArgs& a, int threads) {
-  if (a.bf16) rows(a, a.m, 0, threads, gated_act<uint16_t>);
-  else rows(a, a.m, 0, threads, gated_act<float>);
+static bool gated_act_any(const GatedActArgs& a, int threads) {
+  return a.bf16 ? rows(a, a.m, 0, threads, gated_act<uint16_t>) : rows(a, a.m, 0, threads, gated_act<float>);
 }
 
 }  // namespace TTFTC_NS
