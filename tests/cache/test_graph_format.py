@@ -474,12 +474,13 @@ def test_build_lays_constants_out_with_their_stored_strides(device, dtype):
     data["constants"]["head"].update(stride=[1, 10], dtype=str(dtype).removeprefix("torch."))
     head = torch.randn(10, 6, dtype=dtype, device=device) if device == "cpu" else torch.empty(10, 6, dtype=dtype,
                                                                                                   device=device)
-    built = parse_program(data, {"table": weights["table"], "head": head}.__getitem__).build()
+    table = weights["table"].to(device)  # every constant on the graph's device type
+    built = parse_program(data, {"table": table, "head": head}.__getitem__, device).build()
     stored = built.gm.head
     assert stored.stride() == (1, 10) and stored.dtype == dtype and stored.device == torch.device(device)
     if device == "cpu":
         assert torch.equal(stored, head)
-    assert built.gm.table is weights["table"]  # already laid out as stored: used as is
+    assert built.gm.table is table  # already laid out as stored: used as is
 
 
 def test_build_binds_nodes_inside_lists_and_keyword_arguments():

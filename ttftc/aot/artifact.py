@@ -103,7 +103,7 @@ def write_artifact(directory: Path | str, source, signatures: Sequence[GraphSign
             tensors[keys[id(t)]] = t.detach().contiguous().cpu()
         return keys[id(t)]
 
-    encoded = {p.signature.name: encode_program(p, constant_key) for p in programs}
+    encoded = {p.signature.name: encode_program(p, constant_key, source.device.type) for p in programs}
     staging = directory.parent / f".{directory.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     (staging / GRAPHS).mkdir(parents=True)
@@ -243,7 +243,7 @@ def read_graph(directory: Path, manifest: Manifest, raw: dict, signature: GraphS
     if hashlib.sha256(data).hexdigest() != manifest.files[rel]:
         raise ArtifactError(f"{path} is corrupt (its sha256 does not match the manifest): {remedy}")
     try:
-        spec = parse_program(json.loads(data), constants.__getitem__)
+        spec = parse_program(json.loads(data), constants.__getitem__, manifest.device_type, manifest.vocab_size)
     except (ValueError, RecursionError) as exc:  # GraphFormatError, JSON and Unicode errors are ValueErrors
         raise ArtifactError(f"{path} cannot be read ({type(exc).__name__}: {exc}): {remedy}") from None
     if spec.signature != signature:

@@ -10,7 +10,11 @@ checksums recomputed), so reading it is allow-list only:
   or `torch` (FX's code generator would let those shadow its own names);
 - argument values are JSON scalars, lists, and a fixed set of tagged encodings (node reference, tuple, dict,
   non-finite float, dtype, device, layout, memory format), each checked for its type;
-- constants must be dense tensors of the declared shape and dtype.
+- every tensor lives on the graph's device type (the device an artifact was built for, the one a compile-cache
+  entry is loaded on): a device argument of another type (`aten._to_copy(device="meta")`, whose result has no
+  data, so a native kernel would read it through a null pointer) and a constant elsewhere are refused;
+- constants must be dense tensors of the declared shape and dtype;
+- given the vocabulary size token ids are checked against, the token embedding has a row for each (graph_vocab.py).
 
 `parse_program` checks everything and fetches the constants; a problem is a GraphFormatError at that point, before
 any graph runs. `ProgramSpec.build` then makes the FX graph (cheap; artifacts do it on first use). The encoder runs
@@ -29,6 +33,7 @@ import torch.fx as fx
 
 from ttftc.buckets.program import INPUT_NAMES, GraphProgram, GraphSignature, output_names
 from ttftc.cache.graph_calls import TENSOR, GraphFormatError, Produces, Ref, check_call, encode_target, resolve_target
+from ttftc.cache.graph_vocab import check_embedding_rows
 from ttftc.cache.schema import SchemaError, as_dict, as_int, as_list, as_str, field
 
 __all__ = ["FORMAT_VERSION", "GraphFormatError", "ProgramSpec", "decode_program", "encode_program", "graph_constants",
@@ -100,8 +105,9 @@ _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 _SCALARS = (type(None), bool, int, float, str)
 
 
-def _decode_arg(arg: Any, defined: Mapping[str, Any], depth: int = 0) -> Any:
-    """`arg` with its encodings undone and node references as Ref; `defined` holds the names of earlier nodes.
+def _decode_arg(arg: Any, defined: Mapping[str, Any], device_type: str = "cpu", depth: int = 0) -> Any:
+    """`arg` with its encodings undone and node references as Ref; `defined` holds the names of earlier nodes, and
+    a device must be of `device_type`.
 
     `arg` comes from json.loads, so exact type checks are enough (and this runs for every argument of every node).
     """
@@ -111,7 +117,7 @@ def _decode_arg(arg: Any, defined: Mapping[str, Any], depth: int = 0) -> Any:
     if depth >= _MAX_ARG_DEPTH:
         raise GraphFormatError(f"arguments nest deeper than {_MAX_ARG_DEPTH} levels")
     if kind_of_arg is list:
-        return [_decode_arg(a, defined, depth + 1) for a in arg]
+        return [_decode_arg(a, defined, device_type, depth + 1) for a in arg]
     if kind_of_arg is not dict or len(arg) != 1:
         raise GraphFormatError(f"argument {arg!r} is not a JSON scalar, a list or a one-key encoding"[:200])
     (kind, value), = arg.items()
@@ -120,20 +126,28 @@ def _decode_arg(arg: Any, defined: Mapping[str, Any], depth: int = 0) -> Any:
             raise GraphFormatError(f"argument refers to node {value!r}, which is not defined before it"[:200])
         return Ref(value)
     if kind == "tuple" and type(value) is list:
-        return tuple([_decode_arg(a, defined, depth + 1) for a in value])
+        return tuple([_decode_arg(a, defined, device_type, depth + 1) for a in value])
     if kind == "dict" and type(value) is dict:
-        return {_dict_key(k): _decode_arg(v, defined, depth + 1) for k, v in value.items()}
+        return {_dict_key(k): _decode_arg(v, defined, device_type, depth + 1) for k, v in value.items()}
     if type(value) is str:
         if kind == "float" and value in _NON_FINITE:
             return _NON_FINITE[value]
         if kind in _TAGGED_VALUES and value in _TAGGED_VALUES[kind]:
             return _TAGGED_VALUES[kind][value]
         if kind == "device":
-            try:
-                return torch.device(value)
-            except (RuntimeError, ValueError):
-                raise GraphFormatError(f"unknown device {value!r}"[:200]) from None
+            return _device(value, device_type)
     raise GraphFormatError(f"unknown argument encoding {arg!r}"[:200])
+
+
+def _device(name: str, device_type: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise GraphFormatError(f"unknown device {name!r}"[:200]) from None
+    if device.type != device_type:
+        raise GraphFormatError(f"device {name!r}: this graph's tensors live on {device_type} (a tensor elsewhere, "
+                               "a meta tensor above all, has no data a kernel here could read)"[:200])
+    return device
 
 
 def _dict_key(key: str) -> str:
@@ -171,8 +185,10 @@ def graph_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     return constants
 
 
-def encode_program(program: GraphProgram, constant_key: Callable[[torch.Tensor], str]) -> dict:
-    """The program as a JSON-able dict; `constant_key` names each constant tensor (e.g. by content).
+def encode_program(program: GraphProgram, constant_key: Callable[[torch.Tensor], str],
+                   device_type: str = "cpu") -> dict:
+    """The program as a JSON-able dict; `constant_key` names each constant tensor (e.g. by content), and its tensors
+    live on `device_type`.
 
     What is written is then checked exactly as a reader checks it (`parse_program`), so a graph that saves also
     loads: a target off the allow-list, a name that is not an identifier or a mistyped argument is a
@@ -210,7 +226,7 @@ def encode_program(program: GraphProgram, constant_key: Callable[[torch.Tensor],
         "constants": constants,
     }
     try:
-        parse_program(encoded, by_key.__getitem__)
+        parse_program(encoded, by_key.__getitem__, device_type)
     except GraphFormatError as exc:
         raise GraphFormatError(f"the graph cannot be saved: {exc}") from None
     return encoded
@@ -277,7 +293,8 @@ class ProgramSpec(NamedTuple):
         return GraphProgram(self.signature, fx.GraphModule(root, graph), self.inputs, self.outputs)
 
 
-def _parse_constants(data: Any, load_constant: Callable[[str], torch.Tensor]) -> dict[str, _ConstantSpec]:
+def _parse_constants(data: Any, load_constant: Callable[[str], torch.Tensor],
+                     device_type: str) -> dict[str, _ConstantSpec]:
     constants = {}
     for name, meta in as_dict(data, "constants").items():
         where = f"constants.{_identifier(name, 'constant')}"
@@ -297,14 +314,18 @@ def _parse_constants(data: Any, load_constant: Callable[[str], torch.Tensor]) ->
             raise GraphFormatError(f"constant {name}: stored tensor is {tuple(getattr(tensor, 'shape', ()))} "
                                    f"{getattr(tensor, 'dtype', type(tensor).__name__)}, the graph wants "
                                    f"{tuple(shape)} {dtype}")
+        if tensor.device.type != device_type:
+            raise GraphFormatError(f"constant {name}: stored tensor is on {tensor.device}, the graph runs on "
+                                   f"{device_type}")
         constants[name] = _ConstantSpec(tensor, tuple(stride))
     return constants
 
 
-def _parse_call(entry: dict, produced: dict[str, Produces]) -> _NodeSpec:
+def _parse_call(entry: dict, produced: dict[str, Produces], device_type: str) -> _NodeSpec:
     name = entry["name"]
     callee = resolve_target(entry["target"])
-    args, kwargs = _decode_arg(entry["args"], produced), _decode_arg(entry["kwargs"], produced)
+    args = _decode_arg(entry["args"], produced, device_type)
+    kwargs = _decode_arg(entry["kwargs"], produced, device_type)
     if not isinstance(args, tuple) or not isinstance(kwargs, dict):
         raise GraphFormatError(f"node {name}: args must be a tuple encoding and kwargs a dict encoding")
     for keyword_name in kwargs:
@@ -314,7 +335,7 @@ def _parse_call(entry: dict, produced: dict[str, Produces]) -> _NodeSpec:
 
 
 def _parse_nodes(data: Any, constants: Mapping[str, _ConstantSpec], inputs: tuple[str, ...],
-                 outputs: tuple[str, ...]) -> tuple[_NodeSpec, ...]:
+                 outputs: tuple[str, ...], device_type: str) -> tuple[_NodeSpec, ...]:
     nodes: list[_NodeSpec] = []
     produced: dict[str, Produces] = {}  # what each node defined so far produces
     for i, entry in enumerate(as_list(data, "nodes", lambda v, w: as_dict(v, w))):
@@ -335,10 +356,10 @@ def _parse_nodes(data: Any, constants: Mapping[str, _ConstantSpec], inputs: tupl
                 raise GraphFormatError(f"node {name} reads constant {target}, which the graph does not declare")
             nodes.append(_NodeSpec(kind, name, target))
         elif kind == "call_function":
-            nodes.append(_parse_call(entry, produced))
+            nodes.append(_parse_call(entry, produced, device_type))
             continue
         else:
-            result = _decode_arg(entry["args"], produced)
+            result = _decode_arg(entry["args"], produced, device_type)
             if (entry["kwargs"] != {"dict": {}} or not isinstance(result, tuple) or len(result) != 1
                     or not isinstance(result[0], (tuple, list)) or len(result[0]) != len(outputs)
                     or not all(isinstance(r, Ref) and produced[r.name] == TENSOR for r in result[0])):
@@ -367,8 +388,11 @@ def _parse_names(data: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return inputs, outputs
 
 
-def parse_program(data: Any, load_constant: Callable[[str], torch.Tensor]) -> ProgramSpec:
-    """Check an `encode_program` dict completely; `load_constant(key)` returns the tensor stored under a key.
+def parse_program(data: Any, load_constant: Callable[[str], torch.Tensor], device_type: str = "cpu",
+                  vocab_size: Optional[int] = None) -> ProgramSpec:
+    """Check an `encode_program` dict completely; `load_constant(key)` returns the tensor stored under a key, and
+    every tensor must live on `device_type` (the artifact's device type, the device a cache entry is loaded on).
+    With `vocab_size` (token ids are checked to lie below it), the token embedding must have that many rows.
 
     Raises GraphFormatError naming the first problem. Nothing here runs code the file names.
     """
@@ -380,16 +404,20 @@ def parse_program(data: Any, load_constant: Callable[[str], torch.Tensor]) -> Pr
             raise GraphFormatError(f"a graph has exactly the fields {sorted(_PROGRAM_FIELDS)}, got {sorted(data)}")
         signature = GraphSignature.from_dict(data["signature"])
         inputs, outputs = _parse_names(data)
-        constants = _parse_constants(data["constants"], load_constant)
-        nodes = _parse_nodes(data["nodes"], constants, inputs, outputs)
+        constants = _parse_constants(data["constants"], load_constant, device_type)
+        nodes = _parse_nodes(data["nodes"], constants, inputs, outputs, device_type)
+        spec = ProgramSpec(signature, inputs, outputs, nodes, constants)
+        if vocab_size is not None:
+            check_embedding_rows(spec, vocab_size)
     except GraphFormatError:
         raise
     except (SchemaError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError,
             OverflowError, RuntimeError) as exc:
         raise GraphFormatError(f"{type(exc).__name__}: {exc}"[:300]) from None
-    return ProgramSpec(signature, inputs, outputs, nodes, constants)
+    return spec
 
 
-def decode_program(data: Any, load_constant: Callable[[str], torch.Tensor]) -> GraphProgram:
+def decode_program(data: Any, load_constant: Callable[[str], torch.Tensor], device_type: str = "cpu",
+                   vocab_size: Optional[int] = None) -> GraphProgram:
     """Rebuild a program from `encode_program`'s dict: `parse_program`, then build it."""
-    return parse_program(data, load_constant).build()
+    return parse_program(data, load_constant, device_type, vocab_size).build()

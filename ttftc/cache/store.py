@@ -116,6 +116,8 @@ class CompileCache:
     # -- graphs ------------------------------------------------------------------------------------------
     def load_graph(self, model, config: Config, signature: GraphSignature,
                    device: torch.device) -> Optional[GraphProgram]:
+        from ttftc.buckets.compiled import vocab_size_of  # its caller's module, which imports the capture machinery
+
         path = self._entry("entries", self.graph_key(model, config, signature, device))
         if path is None or not os.path.lexists(path):
             self.misses += 1
@@ -124,7 +126,8 @@ class CompileCache:
             data = json.loads(read_regular(path))
             if as_str(field(data, "signature", ""), "signature") != signature.name:
                 raise GraphFormatError(f"the entry holds graph {data['signature']!r}, not {signature.name}")
-            program = decode_program(field(data, "program", ""), lambda key: self._load_blob(key, device))
+            program = decode_program(field(data, "program", ""), lambda key: self._load_blob(key, device), device.type,
+                                     vocab_size_of(model))
             if program.signature != signature:
                 raise GraphFormatError(f"the entry's graph is for {program.signature}, not {signature}")
         except Exception as exc:  # anything wrong with an entry means: rebuild it
@@ -139,7 +142,7 @@ class CompileCache:
         try:
             if path is None:
                 return
-            encoded = encode_program(program, self._store_blob)
+            encoded = encode_program(program, self._store_blob, device.type)
         except Exception as exc:  # a graph that cannot be saved still runs; it is just not cached
             warnings.warn(f"ttftc compile cache: graph {program.signature.name} not cached: {exc}", stacklevel=3)
             return
