@@ -12,6 +12,7 @@ from tests.helpers import needs_transformers
 from tests.security.attack import forge
 from tests.security.conftest import PROMPT
 from ttftc import zoo
+from ttftc.autotune.space import MACHINE_KNOBS
 from ttftc.cache import CompileCache
 from ttftc.codegen.cpu import _threads
 from ttftc.codegen.cpu._threads import count_is_per_thread, intra_op_threads, threads_of, usable_cores
@@ -29,10 +30,16 @@ def test_a_stored_thread_count_is_clamped_to_the_usable_cores():
 
 
 @needs_transformers
-def test_an_artifact_asking_for_a_million_threads_gets_the_usable_cores(artifact, outside, clean_logits, monkeypatch):
+def test_an_artifact_asking_for_more_threads_than_there_are_cores_gets_the_usable_cores(artifact, outside,
+                                                                                        clean_logits, monkeypatch):
+    """The most a stored count may say (a bigger machine's count; a million is refused at load:
+    tests/security/test_crafted_graphs.py) is clamped to this machine's cores where it is applied."""
+    most = MACHINE_KNOBS["num_threads"][1]
+    assert most > usable_cores()
+
     def mutate(graph):
         node = next(n for n in graph["nodes"] if n.get("target") == LINEAR)
-        node["kwargs"]["dict"]["tuning_config"] = {"dict": {"num_threads": 1_000_000}}
+        node["kwargs"]["dict"]["tuning_config"] = {"dict": {"num_threads": most}}
 
     forge(artifact, GRAPH, mutate)
     requested = []

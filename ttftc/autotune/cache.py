@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from ttftc.autotune.space import knob_reason
-from ttftc.cache.confined import read_regular
+from ttftc.cache.confined import UnsafePathError, read_regular
 
 SCHEMA = 1
 # An entry is a few hundred bytes; a file much larger is not one (and a link to /dev/zero is refused before this).
@@ -171,9 +171,9 @@ class AutotuneCache:
         if self.directory.is_dir():
             for path in sorted(self.directory.glob("*.json")):
                 try:
-                    digest.update(path.name.encode() + b"\0" + path.read_bytes())
-                except OSError:  # removed while listing: it holds nothing a compile could have used
-                    continue
+                    digest.update(path.name.encode() + b"\0" + read_regular(path, limit=MAX_ENTRY_BYTES))
+                except (OSError, UnsafePathError):  # removed while listing, or no entry (a FIFO, a link to
+                    continue  # /dev/zero, too large): it holds nothing a compile could have used
         return digest.hexdigest()[:16]
 
     # -- writing --------------------------------------------------------------------------------------------
