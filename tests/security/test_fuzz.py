@@ -1,13 +1,15 @@
-"""Fuzzing artifacts: mutate the manifest and graph JSON (types, names, paths, structure, targets), recompute the
-checksums as an attacker would, load, and run.
+"""Fuzzing artifacts: mutate the manifest and graph JSON (types, names, paths, structure, targets, tuning knobs, tensor
+devices), recompute the checksums as an attacker would, load, and run.
 
 The only acceptable outcomes are an ArtifactError at load, or a model whose first call returns exactly the clean
 artifact's logits; and no file anywhere in the example's directory (the artifact itself and the attacker's
 "outside") is created, changed or deleted. Mutations are chosen so that they cannot produce a different but
 well-typed graph (that would be a valid artifact computing something else, which no loader can tell from the real
 one): a value is only replaced by one of another JSON type that no schema position accepts in its place, names and
-paths by hostile strings or fresh identifiers, targets by names off the allow-list. A mutation that must be refused
-(a hostile target, name or path) is asserted to be.
+paths by hostile strings or fresh identifiers, targets by names off the allow-list, a lowering's tuning knobs by
+values off their autotune axis (or knobs it does not have), a copy's device by one of another type (meta above all:
+its tensors have no data). A mutation that must be refused (a hostile target, name, path, knob or device) is asserted
+to be.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -26,8 +28,10 @@ import ttftc
 from tests.security.attack import Outside, copy_artifact, read_json, resign, write_json
 from tests.security.conftest import PROMPT
 from ttftc.aot import ArtifactError
+from ttftc.cache.graph_calls import GraphFormatError, resolve_target
 
-FILES = ("manifest.json", "graphs/b16_n1_last_kv.json", "graphs/b32_n1_last_kv.json")
+GRAPHS = ("graphs/b16_n1_last_kv.json", "graphs/b32_n1_last_kv.json")
+FILES = ("manifest.json",) + GRAPHS
 HOSTILE_STRINGS = (
     "../outside/victim.json", "/etc/passwd", "graphs/../manifest.json", "{outside}/victim.safetensors",
     "__import__('os').system('touch {marker}')", 'x")+__import__("os").system("touch {marker}")+("', "torch", "self",
@@ -38,6 +42,10 @@ HOSTILE_TARGETS = (
     {"op": "aten::from_file.default"}, {"op": "load_library::__self__.load_library"}, {"op": "prims::neg.default"},
     {"fn": 7}, {"op": None},
 )
+# Off every autotune axis of every CPU lowering, as a value of any knob (0 and None are points of some axes).
+HOSTILE_KNOB_VALUES = (2**61, 2**40, 10**6, -1, 0.5, "fastest", [1])
+HOSTILE_DEVICES = ("meta", "cuda", "cuda:1", "xpu", "mps")
+COPY = {"op": "aten::_to_copy.default"}
 GARBAGE_DICT = {"evil": "touch"}
 GARBAGE_LIST = [{"evil": 1}]
 # For each JSON type, replacements that no schema position of that type accepts instead (see the module docstring).
@@ -61,10 +69,29 @@ def _json_type(value: Any) -> str:
     return {str: "str", list: "list", dict: "dict"}[type(value)]
 
 
+def _tuning_axes(target: Any) -> dict:
+    """The autotune knobs of the lowering a call node targets ({} for anything else, or a target already mutated)."""
+    try:
+        callee = resolve_target(target)
+    except GraphFormatError:
+        return {}
+    return dict(callee.tuning_axes or {}) if callee.takes_tuning else {}
+
+
+def _node_positions(node: Any, path: tuple) -> list[tuple[tuple, str]]:
+    """A call node's keyword arguments as a "knob" position (a lowering with knobs) or a "device" one (a copy)."""
+    kwargs = node.get("kwargs") if isinstance(node, dict) and node.get("op") == "call_function" else None
+    if not (isinstance(kwargs, dict) and isinstance(kwargs.get("dict"), dict)):
+        return []
+    found = [(path + ("kwargs", "dict"), "knob")] if _tuning_axes(node.get("target")) else []
+    return found + ([(path + ("kwargs", "dict"), "device")] if node.get("target") == COPY else [])
+
+
 def _positions(doc: Any, graph: bool) -> list[tuple[tuple, str]]:
     """(path, role) of every value and key worth mutating. Roles: value (any value), name (a name the format
     pastes into code or looks up), path (a file or constant key), target (a call target), drop (a key or element
-    whose removal changes structure, never meaning: not inside a node's arguments)."""
+    whose removal changes structure, never meaning: not inside a node's arguments), knob (a lowering's tuning
+    config), device (a copy's device)."""
     found: list[tuple[tuple, str]] = []
 
     def walk(node: Any, path: tuple, in_arguments: bool) -> None:
@@ -93,6 +120,8 @@ def _positions(doc: Any, graph: bool) -> list[tuple[tuple, str]]:
             for i, value in enumerate(node):
                 if not in_arguments and path[-1:] in (("nodes",), ("signatures",), ("buckets",)):
                     found.append((path + (i,), "drop"))
+                if graph and path == ("nodes",):
+                    found.extend(_node_positions(value, path + (i,)))
                 walk(value, path + (i,), in_arguments)
 
     walk(doc, (), False)
@@ -108,6 +137,13 @@ def _get(doc: Any, path: tuple) -> Any:
 def _mutate(doc: Any, path: tuple, role: str, draw, outside: Outside) -> bool:
     """Apply one mutation of `role` at `path`; returns whether the result must be refused."""
     hostile = draw(st.sampled_from(HOSTILE_STRINGS)).format(outside=outside.root, marker=outside.marker)
+    if role == "knob":
+        knob = draw(st.sampled_from(sorted(_tuning_axes(_get(doc, path[:-2])["target"])) + ["no_such_knob"]))
+        _get(doc, path)["tuning_config"] = {"dict": {knob: draw(st.sampled_from(HOSTILE_KNOB_VALUES))}}
+        return True
+    if role == "device":
+        _get(doc, path)["device"] = {"device": draw(st.sampled_from(HOSTILE_DEVICES))}
+        return True
     parent, last = _get(doc, path[:-1]), path[-1]
     if role == "value":
         replacement = draw(st.sampled_from(RETYPES[_json_type(parent[last])]))
@@ -135,7 +171,8 @@ def _snapshot(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
 
 
-def _attack_once(data, clean_artifact: Path, clean_logits: torch.Tensor) -> None:
+def _attack_once(data, clean_artifact: Path, clean_logits: torch.Tensor, roles: Optional[set] = None) -> None:
+    """Mutate 1-3 positions (of `roles` only, where given), load, run, and check the outcome."""
     with tempfile.TemporaryDirectory(prefix="ttftc-fuzz-") as scratch:
         root = Path(scratch)
         artifact = copy_artifact(clean_artifact, root / "artifact")
@@ -143,11 +180,12 @@ def _attack_once(data, clean_artifact: Path, clean_logits: torch.Tensor) -> None
         must_refuse = False
         mutated: list[tuple[str, tuple]] = []
         for _ in range(data.draw(st.integers(1, 3))):
-            name = data.draw(st.sampled_from(FILES))
+            name = data.draw(st.sampled_from(FILES if roles is None else GRAPHS))
             doc = read_json(artifact / name)
             # Never mutate inside, above or at an earlier mutation: two retypes in a row could restore the type.
             positions = [(p, r) for p, r in _positions(doc, graph=name != "manifest.json")
-                         if not any(f == name and (p[:len(m)] == m or m[:len(p)] == p) for f, m in mutated)]
+                         if (roles is None or r in roles)
+                         and not any(f == name and (p[:len(m)] == m or m[:len(p)] == p) for f, m in mutated)]
             if not positions:
                 break
             path, role = data.draw(st.sampled_from(positions))
@@ -163,7 +201,7 @@ def _attack_once(data, clean_artifact: Path, clean_logits: torch.Tensor) -> None
             event("outcome: ArtifactError")
         else:
             event("outcome: loaded, same logits")
-            assert not must_refuse, "a hostile target, name or path was accepted"
+            assert not must_refuse, "a hostile target, name, path, knob or device was accepted"
             assert torch.equal(logits, clean_logits), "a mutated artifact loaded and computed something else"
         assert _snapshot(root) == before, "loading created, changed or deleted a file"
         outside.assert_untouched()
@@ -184,3 +222,10 @@ def test_mutated_artifacts_are_refused_or_correct(clean_artifact, clean_logits, 
 @given(data=st.data())
 def test_mutated_artifacts_are_refused_or_correct_many(clean_artifact, clean_logits, data):
     _attack_once(data, clean_artifact, clean_logits)
+
+
+@settings(max_examples=40, **_SETTINGS)
+@given(data=st.data())
+def test_mutated_knobs_and_devices_are_refused(clean_artifact, clean_logits, data):
+    """The knob and device positions alone: few among the hundreds of positions above, each must be refused."""
+    _attack_once(data, clean_artifact, clean_logits, roles={"knob", "device"})
