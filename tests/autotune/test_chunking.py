@@ -129,6 +129,17 @@ def test_stale_entry_is_ignored_with_a_warning(model, tmp_path, monkeypatch):
     assert len(caught) == 1 and "stale" in str(caught[0].message)
 
 
+@pytest.mark.parametrize("chunk", [0, -16, 2.5, True, "16"])
+def test_an_entry_with_a_chunk_size_no_prefill_can_take_is_skipped_with_a_warning(model, tmp_path, chunk):
+    cache = AutotuneCache(tmp_path)
+    cache.store(chunk_key(model, 64), {"chunk_size": chunk}, 1.0, 2.0)
+    cache.store(chunk_key(model, 128), {"chunk_size": 32}, 1.0, 2.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert tuned_chunk_table(model, AutotuneCache(tmp_path)).sizes == {128: 32}
+    assert len(caught) == 1 and f"chunk_size={chunk!r}, not a positive int or null" in str(caught[0].message)
+
+
 def test_exhausted_budget_skips_and_bad_chunk_sizes_are_refused(model, tmp_path):
     cache = AutotuneCache(tmp_path)
     (skipped,) = tune_chunk_sizes(model, [12], (4,), cache=cache, budget_s=0, timer=FavourTimer(4), progress=False)

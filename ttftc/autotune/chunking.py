@@ -120,7 +120,11 @@ def tuned_chunk_sizes(model: torch.nn.Module, cache: Optional[AutotuneCache] = N
             if not key.shapes.startswith(prefix) or not key.shapes[len(prefix):].isdigit():
                 continue
             chunk = entry.config.get("chunk_size")
-            table[int(key.shapes[len(prefix):])] = None if chunk is None else int(chunk)
+            if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+                # a prefill step of no tokens (or of a fraction) fails at the first call; the entry is skipped now
+                cache._warn_once(f"entry for {OP} has chunk_size={chunk!r}, not a positive int or null")
+                continue
+            table[int(key.shapes[len(prefix):])] = chunk
         return table
     except Exception as exc:  # an unusual model or a hand-edited entry must not stop a prefill
         cache._warn_once(f"tuned chunk sizes unreadable ({type(exc).__name__}: {exc})")
