@@ -8,7 +8,7 @@ import torch
 import ttftc
 from ttftc import zoo
 from ttftc.runtime import PRIVATE, EngineClosedError, PrefixCache
-from tests.serve.helpers import wait_until
+from tests.serve.helpers import submitted_priorities, wait_until
 
 TIMEOUT_S = 60
 
@@ -87,6 +87,16 @@ def test_stream_yields_as_it_goes_and_leaving_early_cancels(llm):
     wait_until(lambda: llm.stats()["running"] == 0 and llm.stats()["kv_tokens"] == 0, what="the cancel")
 
 
+def test_priority_reaches_the_scheduler_from_generate_and_stream(llm, monkeypatch):
+    submitted = submitted_priorities(monkeypatch, llm)
+    (low,) = llm.generate([ids(6, 3)], max_new_tokens=3, ignore_eos=True, priority=7, timeout_s=TIMEOUT_S)
+    streamed = [t for delta in llm.stream(ids(6, 3), max_new_tokens=3, ignore_eos=True, priority=-2,
+                                          timeout_s=TIMEOUT_S) for t in delta.token_ids]
+    (default,) = llm.generate([ids(6, 3)], max_new_tokens=3, ignore_eos=True, timeout_s=TIMEOUT_S)
+    assert submitted == [7, -2, 0]
+    assert low.token_ids == streamed == default.token_ids  # priority decides when, never what
+
+
 def test_bad_input_is_a_clear_error(llm):
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("a text prompt")
@@ -96,6 +106,8 @@ def test_bad_input_is_a_clear_error(llm):
         llm.generate(ids(4090), max_new_tokens=10)
     with pytest.raises(ValueError, match="temperature"):
         llm.generate(ids(4), temperature=-0.5)
+    with pytest.raises(ValueError, match="priority must be an integer from -2147483648 to 2147483647"):
+        llm.generate(ids(4), priority=2**31)
     with pytest.raises(ValueError, match="chunked_prefill"):
         ttftc.LLM("tiny", buckets=None, chunked_prefill=0)
     with pytest.raises(ValueError, match="unknown preset 'nope'"):

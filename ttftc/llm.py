@@ -51,6 +51,7 @@ _FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "cancelled",
 
 Prompt = Union[str, Sequence[int]]
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # torch.Generator.manual_seed's range
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1  # a 32-bit int, as a client in any language can send
 
 
 class ParamError(ValueError):
@@ -112,6 +113,14 @@ def _is_int(x: Any) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def checked_priority(priority: Any) -> int:
+    """A request's scheduling priority (lower runs sooner, 0 by default), or a ParamError naming `priority`."""
+    if not (_is_int(priority) and PRIORITY_MIN <= priority <= PRIORITY_MAX):
+        raise ParamError("priority", f"priority must be an integer from {PRIORITY_MIN} to {PRIORITY_MAX} (lower "
+                                     f"runs sooner, 0 by default), got {priority!r}")
+    return priority
 
 
 def _checked_tenant(tenant: Tenant) -> Tenant:
@@ -410,18 +419,20 @@ class LLM:
             )
 
     def open(self, prompt_ids: Sequence[int], params: GenerationParams, sink, *, tenant: Tenant = None,
-             arrived_at: Optional[float] = None) -> RequestOutput:
+             priority: int = 0, arrived_at: Optional[float] = None) -> RequestOutput:
         """Submit one request whose events go to `sink` (called on the engine thread); feed those events to the
         returned RequestOutput on your own thread. `arrived_at` is on `time.perf_counter`'s clock; `tenant=None`
-        is this LLM's namespace."""
+        is this LLM's namespace; a lower `priority` is prefilled sooner (ttftc.runtime.scheduler says how)."""
         from ttftc.runtime.scheduler import Request
 
         tenant = self.tenant if tenant is None else _checked_tenant(tenant)
+        priority = checked_priority(priority)
         ids = self.engine.validate(prompt_ids)
         self.check_length(ids, params.max_new_tokens)
         request = Request(ids, max_new_tokens=params.max_new_tokens, tenant=tenant, sampling=params.sampling(),
                           eos_token_id=None if params.ignore_eos else self.eos_token_id,
-                          request_id=f"{self.name}-{next(self._ids)}", stop_token_ids=params.stop_token_ids)
+                          request_id=f"{self.name}-{next(self._ids)}", stop_token_ids=params.stop_token_ids,
+                          priority=priority)
         output = RequestOutput(self, request.request_id, len(ids), params)
         self.loop.submit(request, sink, arrived_at=arrived_at)
         return output
@@ -432,7 +443,7 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], *, max_new_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: Optional[int] = None, seed: Optional[int] = None,
                  stop: Union[str, Sequence[str]] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 tenant: Tenant = None, timeout_s: Optional[float] = None) -> list[Completion]:
+                 tenant: Tenant = None, priority: int = 0, timeout_s: Optional[float] = None) -> list[Completion]:
         """Run every prompt (text or token ids) to completion, all submitted at once so the scheduler can batch
         them; one Completion per prompt, in order."""
         params = GenerationParams(max_new_tokens, temperature, top_p, top_k, seed, stop, tuple(stop_token_ids),
@@ -443,7 +454,8 @@ class LLM:
         outputs = {}
         try:
             for prompt in batch:
-                output = self.open(self.encode(prompt), params, events.put, tenant=tenant, arrived_at=started)
+                output = self.open(self.encode(prompt), params, events.put, tenant=tenant, priority=priority,
+                                   arrived_at=started)
                 outputs[output.request_id] = output
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             while not all(o.done for o in outputs.values()):
@@ -458,12 +470,12 @@ class LLM:
     def stream(self, prompt: Prompt, *, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: Optional[int] = None, seed: Optional[int] = None, stop: Union[str, Sequence[str]] = (),
                stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, tenant: Tenant = None,
-               timeout_s: Optional[float] = None) -> TokenStream:
+               priority: int = 0, timeout_s: Optional[float] = None) -> TokenStream:
         """An iterator of Deltas for one prompt, as the tokens are produced; leaving the loop early cancels it."""
         params = GenerationParams(max_new_tokens, temperature, top_p, top_k, seed, stop, tuple(stop_token_ids),
                                   ignore_eos)
         events: queue.Queue = queue.Queue()
-        output = self.open(self.encode(prompt), params, events.put, tenant=tenant)
+        output = self.open(self.encode(prompt), params, events.put, tenant=tenant, priority=priority)
         return TokenStream(self, output, events, timeout_s)
 
     @staticmethod

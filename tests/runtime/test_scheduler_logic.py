@@ -14,7 +14,8 @@ from typing import Optional
 import pytest
 
 from ttftc.runtime.sampling import GREEDY, Sampling
-from ttftc.runtime.scheduler import CANCELLED, ERROR, LENGTH, STOP, Request, RequestRecord, StepScheduler
+from ttftc.runtime.scheduler import (AGE_STEP_S, CANCELLED, ERROR, LENGTH, STOP, Request, RequestRecord,
+                                     StepScheduler)
 
 
 class Clock:
@@ -257,13 +258,15 @@ def test_shortest_remaining_first_and_arrival_order_breaks_ties():
     assert prefills(engine)[2:] == [(1, 6), (3, 6)]
 
 
-def _long_prompt_served(engine, s, steps) -> list[bool]:
+def _long_prompt_served(engine, s, steps, clock: Optional[Clock] = None, step_s: float = 0.0) -> list[bool]:
     """Per step, whether prompt 1 got a chunk, while a short prompt arrives every step (served first, then the
-    long prompt's chunk of 8 does not fit the 4 left)."""
+    long prompt's chunk of 8 does not fit the 4 left); `clock` moves on by `step_s` before each step."""
     served = []
     for step in range(steps):
         s.submit(Request(prompt(100 + step, 6)))
         before = len(engine.calls)
+        if clock is not None:
+            clock.now += step_s
         s.step()
         served.append(any(c[:2] == ("advance", 1) for c in engine.calls[before:]))
     return served
@@ -301,6 +304,58 @@ def test_a_prefill_that_could_not_be_admitted_is_not_counted_as_skipped():
         s.step()  # 1 prefills, then decodes twice; 2 has no slot all that time
     waiting = next(item for item in s._prefilling if item.request.request_id == 1)
     assert waiting.skipped_steps == 0 and not waiting.started
+
+
+def test_prefills_go_by_priority_then_shortest_first_and_slots_by_priority_then_arrival():
+    # (first id, priority, length): one prefill per step, as two never fit the budget of 10 together.
+    requests = ((1, 2, 6), (2, 0, 9), (3, 1, 7), (4, 0, 8), (5, 1, 6))
+    for max_running, expected in ((None, [4, 2, 5, 3, 1]), (1, [2, 4, 3, 5, 1])):
+        engine = FakeEngine()
+        s = scheduler(engine, budget=10, chunk_size=10, max_running=max_running)
+        for first, priority, length in requests:
+            s.submit(Request(prompt(first, length), priority=priority))
+        s.run_until_idle()
+        assert [first for first, _ in prefills(engine)] == expected
+
+
+def test_a_higher_priority_arrival_takes_the_next_step_ahead_of_a_long_prompts_remaining_chunks():
+    for priority, expected in ((1, [(1, 8), (2, 8), (2, 8)]), (0, [(1, 8), (1, 8), (1, 8)])):
+        engine = FakeEngine()
+        s = scheduler(engine, budget=8, chunk_size=8)
+        s.submit(Request(prompt(1, 40), priority=priority))
+        s.step()
+        # Prompt 2 has more left (40) than prompt 1 (32): only its higher priority puts it first.
+        s.submit(Request(prompt(2, 40)))
+        s.step()
+        s.step()
+        assert prefills(engine) == expected
+
+
+def test_aging_lets_a_low_priority_prompt_run_under_a_stream_of_high_priority_ones():
+    clock = Clock()
+    engine = FakeEngine()
+    s = scheduler(engine, budget=10, chunk_size=8, clock=clock)
+    s.submit(Request(prompt(1, 40), priority=3))
+    # A step every AGE_STEP_S / 4: 3 levels behind, prompt 1 ties with the stream after 12 steps, and having been
+    # skipped for more than max_skipped_steps by then, it goes first at once.
+    assert _long_prompt_served(engine, s, 14, clock, AGE_STEP_S / 4) == [False] * 11 + [True, False, False]
+
+
+def test_equal_priorities_keep_shortest_first_however_long_each_waited():
+    clock = Clock()
+    engine = FakeEngine()
+    s = scheduler(engine, budget=12, chunk_size=12, clock=clock)
+    for first, length in ((1, 6), (2, 4), (3, 6), (4, 4)):
+        s.submit(Request(prompt(first, length), priority=5))
+        clock.now += 10 * AGE_STEP_S  # the earlier prompts waited tens of levels longer
+    s.run_until_idle()
+    assert prefills(engine) == [(2, 4), (4, 4), (1, 6), (3, 6)]
+
+
+@pytest.mark.parametrize("priority", [1.0, "0", None, True])
+def test_a_priority_that_is_not_an_integer_is_refused(priority):
+    with pytest.raises(ValueError, match=f"priority must be an integer \\(lower runs sooner\\), got {priority!r}"):
+        Request(prompt(1, 2), priority=priority)
 
 
 def test_decodes_come_first_one_token_each_and_rotate_when_the_budget_is_short():

@@ -1,4 +1,5 @@
-"""What the serve tests share: a tiny model directory with a real tokenizer, and bounded polling."""
+"""What the serve tests share: a tiny model directory with a real tokenizer, bounded polling, and a look at the
+requests an LLM queues."""
 
 from __future__ import annotations
 
@@ -49,3 +50,16 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def submitted_priorities(monkeypatch, llm) -> list:
+    """The priority of each request `llm` queues from now on (until the test ends), in order."""
+    priorities: list = []
+    submit = llm.loop.submit
+
+    def spy(request, *args, **kwargs):
+        priorities.append(request.priority)
+        return submit(request, *args, **kwargs)
+
+    monkeypatch.setattr(llm.loop, "submit", spy)
+    return priorities

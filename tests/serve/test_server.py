@@ -12,7 +12,7 @@ import pytest
 
 import ttftc
 from ttftc.serve import BackgroundServer, create_app
-from tests.serve.helpers import metric, wait_until
+from tests.serve.helpers import metric, submitted_priorities, wait_until
 
 TIMEOUT_S = 60  # per request: a stuck server fails the test instead of hanging it
 
@@ -134,6 +134,8 @@ BAD_REQUESTS = [
     ("a batch of prompts", dict(prompt=[[1, 2], [3, 4]]), "prompt"),
     ("stream_options without stream", dict(prompt=[1, 2], stream_options={"include_usage": True}), "stream_options"),
     ("unknown field", dict(prompt=[1, 2], extra_body={"tenant": "acme"}), "tenant"),
+    ("priority not an integer", dict(prompt=[1, 2], extra_body={"priority": "high"}), "priority"),
+    ("priority out of range", dict(prompt=[1, 2], extra_body={"priority": -2**31 - 1}), "priority"),
 ]
 
 
@@ -147,6 +149,16 @@ def test_each_bad_request_gets_its_400_and_the_server_keeps_serving(served, clie
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["param"] == param and error["message"]
     assert streamed(client, [1, 2, 3], 2)[0], "the server still serves"
+
+
+def test_a_request_with_a_priority_is_served_like_one_without(served, client, monkeypatch):
+    llm, _ = served
+    submitted = submitted_priorities(monkeypatch, llm)
+    ids = prompt(12, seed=5)
+    tokens = [streamed(client, ids, 4, extra_body={"ignore_eos": True, "priority": p})[0]
+              for p in (-3, 2**31 - 1, None)]
+    assert submitted == [-3, 2**31 - 1, 0]  # null is the default
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 4
 
 
 def test_malformed_bodies_and_chat_without_a_tokenizer_get_400(served, client):

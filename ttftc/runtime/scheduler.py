@@ -5,11 +5,12 @@ Each `step()` (the Sarathi-Serve recipe, plus a batching window):
   1. every running request decodes one token (FCFS, one budget token each), all of them in ONE batched forward
      (`engine.decode_batch`: a step reads the weights once, however many requests decode): decodes are never
      starved by a prefill;
-  2. the rest of the budget goes to prefills, shortest remaining prompt first (what minimises mean TTFT), with
-     arrival order breaking ties; a prefill that got nothing for `max_skipped_steps` steps in a row goes first,
-     so a long prompt is never starved. With chunking, a request gets at most `chunk_size` tokens per step, so a
-     long prompt takes many steps and a short prompt that arrives meanwhile waits for one step, not the whole
-     prompt; without chunking a prompt is prefilled whole (the first prefill of a step always runs, however long).
+  2. the rest of the budget goes to prefills, by priority first (`Request.priority`, lower sooner, aged: see
+     below), then shortest remaining prompt first (what minimises mean TTFT), with arrival order breaking ties; a
+     prefill that got nothing for `max_skipped_steps` steps in a row goes first among those of its priority, so a
+     long prompt is never starved by shorter ones. With chunking, a request gets at most `chunk_size` tokens per
+     step, so a long prompt takes many steps and a short prompt that arrives meanwhile waits for one step, not the
+     whole prompt; without chunking a prompt is prefilled whole (the first prefill of a step always runs, however long).
      Past the first prefill of a step, a prompt that fits in one chunk runs only if it fits the budget left whole
      (split, it would wait a step more for its first token), while a prompt that is chunked anyway takes what is
      left, Sarathi style, if that is at least `min_chunk` tokens: a sliver of a few tokens would cost a forward of
@@ -25,6 +26,14 @@ longer (more, smaller chunks, each with a forward's overhead and a re-read of th
 defaults are sized for short requests beside long prompts (README, Serving, has the measurements). Attention
 makes a chunk late in a long prompt dearer than one early on, so the bound is on tokens, and a step's time grows
 with the KV its chunk attends to.
+
+Priorities. Priority outranks everything else, a prompt's chunks under way included: a higher-priority arrival
+takes the next step's budget ahead of the remaining chunks of a lower-priority long prompt (and, once admitted,
+waiting requests take the free slots in priority order, then arrival order). A prefill's priority improves by one
+level per AGE_STEP_S seconds since it arrived, up to the best priority among the prefills: so a low-priority
+request catches up with a stream of higher-priority ones after (its priority - theirs) * AGE_STEP_S seconds, and
+from there `max_skipped_steps` bounds its wait as for any prompt of one priority. Equal priorities order as if
+there were none, however long each waited.
 
 The batching window. A request that has not started its prefill waits until `batch_window_s` has passed since the
 earliest such request arrived, or until the waiting prompts hold `token_budget` tokens, whichever comes first;
@@ -57,6 +66,10 @@ from ttftc.runtime.sampling import GREEDY, Sampling
 # RequestRecord.finish_reason values.
 LENGTH, STOP, CANCELLED, ERROR = "length", "stop", "cancelled", "error"
 
+# One priority level per second waited: priorities separate interactive requests (a TTFT target under a second)
+# from batch work, so a batch request may wait behind interactive ones for seconds per level, never for ever.
+AGE_STEP_S = 1.0
+
 
 @dataclass
 class Request:
@@ -67,6 +80,11 @@ class Request:
     eos_token_id: Optional[int] = None
     request_id: Hashable = None
     stop_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower runs sooner (vLLM's convention); ties and aging: the module docstring
+
+    def __post_init__(self):  # here, not in submit: ttftc.runtime.engine_loop queues requests for another thread
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer (lower runs sooner), got {self.priority!r}")
 
 
 @dataclass
@@ -254,8 +272,9 @@ class StepScheduler:
         finished: list = []
         emitted: list = []
         decode_tokens = self._decode(self.token_budget, finished, emitted)
-        admitted = self._admissible()
-        plan = self._plan_prefills(admitted, self.token_budget - decode_tokens)
+        aged = self._aged_priorities()
+        admitted = self._admissible(aged)
+        plan = self._plan_prefills(admitted, self.token_budget - decode_tokens, aged)
         batched_rows = self._prefill(plan, finished, emitted)
         served = {id(item) for item, _ in plan}
         for item in admitted:  # only a prefill that could have run and got no budget is being skipped
@@ -294,7 +313,20 @@ class StepScheduler:
                 self._report_finish(run.request, finished)
         return count
 
-    def _admissible(self) -> list[_Prefill]:
+    def _aged_priorities(self) -> dict[int, int]:
+        """Each prefill's priority this step (by id): its own, one level better per AGE_STEP_S waited, never past
+        the best priority among the prefills (the module docstring says why)."""
+        priorities = {id(item): item.request.priority for item in self._prefilling}
+        best = min(priorities.values(), default=0)
+        if all(p == best for p in priorities.values()):
+            return priorities  # nothing to catch up with (and no clock read: steps stay as they were)
+        now = self.clock()
+        for item in self._prefilling:
+            levels = math.floor(max(0.0, now - item.record.submitted_at) / AGE_STEP_S)
+            priorities[id(item)] = max(best, item.request.priority - levels)
+        return priorities
+
+    def _admissible(self, aged: dict[int, int]) -> list[_Prefill]:
         """Prefills this step may serve: those under way, plus waiting ones once their window closed and slots
         are free."""
         started = [item for item in self._prefilling if item.started]
@@ -307,12 +339,13 @@ class StepScheduler:
         if not window_closed:
             return started
         slots = len(waiting) if self.max_running is None else max(0, self.max_running - self.num_running)
-        waiting.sort(key=lambda item: item.arrival_order)
+        waiting.sort(key=lambda item: (aged[id(item)], item.arrival_order))
         return started + waiting[:slots]
 
-    def _plan_prefills(self, admitted: list[_Prefill], budget: int) -> list[tuple[_Prefill, int]]:
+    def _plan_prefills(self, admitted: list[_Prefill], budget: int,
+                       aged: dict[int, int]) -> list[tuple[_Prefill, int]]:
         plan: list[tuple[_Prefill, int]] = []
-        for item in sorted(admitted, key=self._prefill_priority):
+        for item in sorted(admitted, key=lambda item: self._prefill_order(item, aged)):
             if budget <= 0:
                 break
             job = item.job
@@ -425,9 +458,9 @@ class StepScheduler:
         if self.on_finish is not None:
             self.on_finish(request.request_id)
 
-    def _prefill_priority(self, item: _Prefill) -> tuple:
+    def _prefill_order(self, item: _Prefill, aged: dict[int, int]) -> tuple:
         starving = item.skipped_steps >= self.max_skipped_steps
-        return (not starving, item.job.remaining, item.arrival_order)
+        return (aged[id(item)], not starving, item.job.remaining, item.arrival_order)
 
     def run_until_idle(self) -> dict[Hashable, RequestRecord]:
         while not self.idle:

@@ -166,7 +166,8 @@ class _Served:
                 pass
 
         try:
-            output = self.llm.open(ids, parsed.params, sink, tenant=self.tenant(request), arrived_at=arrived)
+            output = self.llm.open(ids, parsed.params, sink, tenant=self.tenant(request), priority=parsed.priority,
+                                   arrived_at=arrived)
         except ParamError as exc:
             raise bad_request(str(exc), param=exc.param) from None
         except EngineClosedError:

@@ -3,11 +3,12 @@
 Supported: `/v1/completions` with one prompt (a string or a list of token ids) and `/v1/chat/completions` with
 text messages; `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (at most
 4 strings of at most 256 characters), `stream`, `stream_options.include_usage`, and vLLM's extensions `top_k`,
-`ignore_eos` and `stop_token_ids`. Numeric fields are checked against their ranges before anything is queued (a
-400 naming the field): a seed torch cannot take would otherwise fail in the engine, in a prefill shared with
-other requests. Parameters OpenAI defines that change the output in ways this server does not implement (n > 1,
-logprobs, echo, penalties, logit_bias, tools, ...) are refused unless they hold their neutral value, rather than
-silently ignored. Fields OpenAI does not define are refused too: a typo should not pass for a default.
+`ignore_eos`, `stop_token_ids` and `priority` (lower is prefilled sooner). Numeric fields are checked against
+their ranges before anything is queued (a 400 naming the field): a seed torch cannot take would otherwise fail in
+the engine, in a prefill shared with other requests. Parameters OpenAI defines that change the output in ways
+this server does not implement (n > 1, logprobs, echo, penalties, logit_bias, tools, ...) are refused unless they
+hold their neutral value, rather than silently ignored. Fields OpenAI does not define are refused too: a typo
+should not pass for a default.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from ttftc.llm import GenerationParams, ParamError
+from ttftc.llm import GenerationParams, ParamError, checked_priority
 from ttftc.serve.errors import bad_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -26,7 +27,8 @@ MAX_STOP_CHARS = 256
 # Accepted and ignored: they do not change what is generated.
 _IGNORED = {"user", "metadata", "store", "service_tier"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-           "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "ignore_eos", "stop_token_ids"} | _IGNORED
+           "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "ignore_eos", "stop_token_ids",
+           "priority"} | _IGNORED
 _COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "logprobs", "suffix"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                           "response_format", "parallel_tool_calls"}
@@ -46,6 +48,7 @@ class GenerationRequest:
     params: GenerationParams
     stream: bool
     include_usage: bool
+    priority: int = 0
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -56,7 +59,8 @@ def parse_completion(body: Any) -> GenerationRequest:
     prompt = _prompt(body.get("prompt"))
     params = _params(body, body.get("max_tokens"), COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
     stream, include_usage = _stream(body)
-    return GenerationRequest("completion", _model(body), prompt, None, params, stream, include_usage)
+    return GenerationRequest("completion", _model(body), prompt, None, params, stream, include_usage,
+                             _priority(body))
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -68,7 +72,7 @@ def parse_chat(body: Any) -> GenerationRequest:
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params = _params(body, body.get(limit_name), CHAT_DEFAULT_MAX_TOKENS, limit_name)
     stream, include_usage = _stream(body)
-    return GenerationRequest("chat", _model(body), None, messages, params, stream, include_usage)
+    return GenerationRequest("chat", _model(body), None, messages, params, stream, include_usage, _priority(body))
 
 
 def _object(body: Any) -> dict:
@@ -148,6 +152,14 @@ def _stream(body: dict) -> tuple[bool, bool]:
     if not isinstance(include, bool):
         raise bad_request("stream_options.include_usage must be true or false", param="stream_options")
     return stream, include
+
+
+def _priority(body: dict) -> int:
+    priority = body.get("priority")
+    try:
+        return 0 if priority is None else checked_priority(priority)
+    except ParamError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
 
 
 def _stop(stop: Any) -> tuple[str, ...]:
