@@ -220,7 +220,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.inserted_since_eviction: dict = {}
 
     prompts = st.lists(st.integers(0, 2), min_size=1, max_size=14)
-    tenants = st.sampled_from(["a", "b", None])  # None: private, so it must never hit
+    tenants = st.sampled_from(["a", "b", None, PRIVATE])  # None: the default namespace; PRIVATE must never hit
 
     @rule(tokens=prompts, tenant=tenants)
     def do_insert(self, tokens, tenant):
@@ -237,9 +237,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.queried += len(tokens)
         self.hit += lease.num_tokens
         assert lease.num_tokens % BS == 0 and lease.num_tokens <= (len(tokens) if cap is None else cap)
-        # Only this tenant's own KV for exactly this prefix is ever served; an unnamed caller is served nothing.
+        # Only this tenant's own KV for exactly this prefix is ever served; a private caller is served nothing.
         assert served_correctly(lease, tokens, tenant)
-        assert tenant is not None or lease.num_tokens == 0
+        assert tenant is not PRIVATE or lease.num_tokens == 0
         # A chain inserted whole is still whole if nothing was evicted since.
         for (t, prefix), evicted_then in self.inserted_since_eviction.items():
             if t == tenant and tuple(tokens[:len(prefix)]) == prefix and cap is None:
