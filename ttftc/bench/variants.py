@@ -8,6 +8,8 @@
                    skipped when torchao is not installed
     ttftc-fp32     torch.compile with ttftc.backend(Config(precision="fp32")); likewise ttftc-auto, ttftc-bf16,
                    ttftc-int8
+    llamacpp-f32   llama.cpp through llama-cpp-python on the model written as GGUF f32; likewise llamacpp-bf16,
+                   llamacpp-q8_0 (ttftc.bench.llamacpp); asked for by name, skipped without the llamacpp extra
 
 Any ttftc Config can also be named directly: `ttftc[passes=attention+ffn,precision=bf16]` (passes: `all`,
 `none`, or pass names joined by `+`). The ablation uses that form. `tuned=off` compiles with
@@ -32,6 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ttftc.bench import llamacpp
 from ttftc.bench.errors import BenchInputError
 from ttftc.bench.models import ModelSource, prefill
 
@@ -131,6 +134,15 @@ def _ttftc(config_kwargs: dict, attn: str = "sdpa", tuned: Optional[str] = None)
     return build
 
 
+def _llamacpp(file_type: str) -> Callable[[ModelSource], Prepared]:
+    def build(source: ModelSource) -> Prepared:
+        loaded = llamacpp.load(source.base, file_type, torch.get_num_threads())
+        return Prepared(loaded, lambda: {"gguf_file_type": file_type, "llamacpp_ubatch": llamacpp.UBATCH,
+                                         "llamacpp_flash_attn": True})
+
+    return build
+
+
 def _auto_dtype() -> str:
     """Whose GEMM peak bounds precision "auto" here: what the policy picks on this machine."""
     from ttftc.capabilities import probe
@@ -155,11 +167,15 @@ VARIANTS: dict[str, Variant] = {
         Variant("ttftc-fp32", "fp32", "ttftc, precision fp32", _ttftc({"precision": "fp32"}), compiles=True),
         Variant("ttftc-bf16", "bf16", "ttftc, precision bf16", _ttftc({"precision": "bf16"}), compiles=True),
         Variant("ttftc-int8", "int8", "ttftc, precision int8 (W8A8)", _ttftc({"precision": "int8"}), compiles=True),
+        *(Variant(f"llamacpp-{file_type}", dtype, f"llama.cpp (llama-cpp-python), GGUF {file_type}, flash attention",
+                  _llamacpp(file_type), skip_reason=llamacpp.missing_reason)
+          for file_type, dtype in (("f32", "fp32"), ("bf16", "bf16"), ("q8_0", "int8"))),
     )
 }
 
-# inductor-attn exists for the attention comparison (issue 4) and stays out of the default run.
-DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name != "inductor-attn")
+# inductor-attn exists for the attention comparison (issue 4) and stays out of the default run; the llama.cpp
+# peers need an optional extra and are asked for by name.
+DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name != "inductor-attn" and not name.startswith("llamacpp-"))
 
 
 def ttftc_spec(passes: tuple[str, ...] | str, precision: str = "fp32") -> str:
