@@ -14,6 +14,8 @@ import torch.fx as fx
 
 from ttftc.codegen import lowering
 from ttftc.codegen.cpu._allocator import keep_freed_pages
+from ttftc.codegen.cpu._blas import measured_gemm_backend
+from ttftc.codegen.cpu.attention import describe_kernel_choice
 from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 from ttftc.config import Config
 from ttftc.passes.graph_utils import op_histogram
@@ -22,6 +24,8 @@ from ttftc.report import Report, graph_flops, make_report
 
 
 INT8_GEMM_OPS = ("int8_linear", "gated_ffn_int8")
+# The CPU lowerings of these run a float GEMM, whose backend is measured per process (codegen/cpu/_blas.py).
+FLOAT_GEMM_OPS = ("linear", "norm_linear", "gated_ffn", "linear_act")
 
 
 def run_pipeline(gm: fx.GraphModule, config: Config, *, autotune_cache=None, as_ops: bool = False,
@@ -41,8 +45,21 @@ def run_pipeline(gm: fx.GraphModule, config: Config, *, autotune_cache=None, as_
         notes.append(keep_freed_pages())
         if any(d.op in INT8_GEMM_OPS for d in decisions):  # which int8 GEMM runs here, and what it measured
             notes.append(int8_gemm_choice().describe())
+        # The defaults measured on this machine, and what they measured, for the ops that use them.
+        on_cpu = {d.op for d in decisions if d.provider == "cpu"}
+        dtypes = _float_dtypes(gm)
+        if on_cpu.intersection(FLOAT_GEMM_OPS):
+            notes.extend(measured_gemm_backend(dtype).describe() for dtype in dtypes)
+        if "attention" in on_cpu:
+            notes.extend(describe_kernel_choice(dtype) for dtype in dtypes)
     return make_report(stats, ops_before, ops_after, decisions, flops, {p.name: p.uuid() for p in manager.passes},
                        notes)
+
+
+def _float_dtypes(gm: fx.GraphModule) -> list[torch.dtype]:
+    """The compute dtypes among fp32 and bf16 that the graph's values carry, in that order."""
+    seen = {node.meta["val"].dtype for node in gm.graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)}
+    return [dtype for dtype in (torch.float32, torch.bfloat16) if dtype in seen]
 
 
 def _runs_on_cpu(gm: fx.GraphModule) -> bool:

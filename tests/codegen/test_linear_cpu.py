@@ -10,6 +10,7 @@ from tests.codegen.conftest import GEMM_TUNINGS, fp32_gemm_options_or_skip, reco
 from tests.helpers import assert_logits_match, compile_and_run, needs_transformers
 from ttftc import zoo
 from ttftc.autotune.space import Problem, TensorSpec, space_for
+from ttftc.codegen.cpu import _blas
 from ttftc.codegen.cpu._blas import (cpu_linear_reason, default_gemm, default_wide_gemm_config, gemm_options, linear_2d,
                                      onednn_reason, wide_gemm_constraint)
 from ttftc.codegen.cpu.linear import linear_cpu
@@ -85,9 +86,57 @@ def test_onednn_reads_a_strided_activation_without_a_copy_in_the_caller():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_defaults_prefer_onednn_where_it_runs_and_never_pick_it_where_it_cannot():
-    expected = "blas" if onednn_reason(torch.float32) else "onednn"
-    assert default_gemm(torch.float32) == expected
+@pytest.fixture
+def measured_backend(monkeypatch):
+    """A fresh measurement of the default backend, with $TTFTC_CPU_GEMM unset; cleared again afterwards."""
+    monkeypatch.delenv(_blas.GEMM_BACKEND_ENV, raising=False)
+    _blas.measured_gemm_backend.cache_clear()
+    yield monkeypatch
+    _blas.measured_gemm_backend.cache_clear()
+
+
+@pytest.mark.parametrize("onednn_ms, blas_ms, expected", [(5.3, 11.7, "onednn"), (12.0, 9.0, "blas")])
+def test_the_default_backend_is_whichever_measured_faster(measured_backend, onednn_ms, blas_ms, expected):
+    timings = {"onednn": onednn_ms, "blas": blas_ms}
+    measured_backend.setattr(_blas, "_backend_ms", lambda backend, dtype: timings[backend])
+    measured_backend.setattr(_blas, "onednn_reason", lambda dtype: None)
+    choice = _blas.measured_gemm_backend(torch.float32)
+    assert choice.backend == expected == default_gemm(torch.float32)
+    assert gemm_options(None, torch.float32)["gemm"] == expected
+    loser = "blas" if expected == "onednn" else "onednn"
+    assert choice.describe() == (f"fp32 GEMM: {expected} ({timings[expected]:.1f} ms; {loser} {timings[loser]:.1f} ms "
+                                 "at 256x1024x1024)")
+
+
+def test_onednn_is_never_the_default_where_it_cannot_run(measured_backend):
+    measured_backend.setattr(_blas, "_backend_ms", lambda backend, dtype: {"onednn": 1.0, "blas": 50.0}[backend])
+    measured_backend.setattr(_blas, "onednn_reason", lambda dtype: "this torch build has no oneDNN")
+    choice = _blas.measured_gemm_backend(torch.float32)
+    assert choice.backend == "blas" and not choice.ms
+    assert choice.describe() == "fp32 GEMM: blas (the only backend here: this torch build has no oneDNN)"
+    # Given timings where oneDNN won, the policy still cannot pick it.
+    assert _blas.choose_gemm_backend(torch.float32, {"onednn": 1.0, "blas": 50.0}).backend == "blas"
+
+
+def test_the_environment_overrides_the_measurement(measured_backend):
+    measured_backend.setattr(_blas, "_backend_ms", lambda backend, dtype: pytest.fail("measured despite the override"))
+    measured_backend.setenv(_blas.GEMM_BACKEND_ENV, "blas")
+    assert _blas.measured_gemm_backend(torch.float32).describe() == "fp32 GEMM: blas (set by TTFTC_CPU_GEMM)"
+    _blas.measured_gemm_backend.cache_clear()
+    measured_backend.setenv(_blas.GEMM_BACKEND_ENV, "mkl")
+    with pytest.raises(ValueError, match="TTFTC_CPU_GEMM='mkl': expected one of onednn, blas"):
+        _blas.measured_gemm_backend(torch.float32)
+
+
+def test_the_real_measurement_times_both_backends_where_both_run(measured_backend):
+    choice = _blas.measured_gemm_backend(torch.float32)
+    assert choice.backend in ("onednn", "blas")
+    if onednn_reason(torch.float32) is None:
+        assert set(choice.ms) == {"onednn", "blas"} and all(t > 0 for t in choice.ms.values())
+        assert choice.ms[choice.backend] == min(choice.ms.values())
+
+
+def test_fp16_and_tuned_entries_never_reach_onednn_where_it_cannot_run():
     assert gemm_options(None, torch.float16) == {"gemm": "blas", "n_block": 1024}  # fp16 is not on the oneDNN path
     # A cache entry tuned on a build with oneDNN degrades to BLAS for a dtype oneDNN does not cover.
     assert gemm_options({"gemm": "onednn", "n_block": 0}, torch.float16)["gemm"] == "blas"
@@ -168,9 +217,9 @@ def test_gemm_options_and_the_search_space_rules():
 
 
 @needs_onednn
-def test_onednn_is_the_default_where_it_runs():
+def test_where_onednn_is_the_measured_default_it_needs_no_column_blocks(measured_backend):
+    measured_backend.setenv(_blas.GEMM_BACKEND_ENV, "onednn")
     assert onednn_reason(torch.float32) is None
-    assert default_gemm(torch.float32) == "onednn"
     assert gemm_options(None, torch.float32) == {"gemm": "onednn", "n_block": 0}
     problem = Problem("linear", "cpu", (TensorSpec((8, 16), torch.float32), TensorSpec((16, 16), torch.float32)), ())
     assert default_wide_gemm_config(problem) == {"gemm": "onednn", "n_block": 0}

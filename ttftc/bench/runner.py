@@ -29,6 +29,8 @@ import torch
 
 from ttftc.capabilities import probe
 from ttftc.codegen.cpu._allocator import keep_freed_pages
+from ttftc.codegen.cpu._blas import measured_gemm_backend
+from ttftc.codegen.cpu.attention import describe_kernel_choice
 from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 
 from ttftc.bench.ablation import AblationStep, ablation_steps
@@ -317,10 +319,12 @@ def _model_info(spec: ModelSpec, model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _capabilities(device: str) -> str:
-    """The probe's answer, and on CPU the int8 GEMM measured and chosen here, with its measurements."""
+    """The probe's answer, and on CPU the GEMMs and attention kernel measured and chosen here, with their times."""
     described = probe(torch.device(device).type).describe()
     if torch.device(device).type == "cpu":
-        described += f"; {int8_gemm_choice().describe()}"
+        chosen = [int8_gemm_choice().describe(), measured_gemm_backend(torch.float32).describe(),
+                  describe_kernel_choice(torch.float32)]
+        described += "".join(f"; {text}" for text in chosen)
     return described
 
 

@@ -11,7 +11,10 @@ Two GEMM backends compute x · wᵀ for a weight stored [N, K]:
   "blas"    `torch.mm`/`torch.addmm` (MKL), optionally in column blocks written into one output buffer: with this
             backend one GEMM over a merged weight measured slower than the separate GEMMs it replaced, and 1024-column
             blocks fastest (512 tokens, K=1024: q|k|v 17.9 ms merged, 17.1 separate, 16.9 blocked).
-Both are autotune knobs per op instance (`WIDE_GEMM_SPACE_AXES`); the default is oneDNN where it can run.
+Both are autotune knobs per op instance (`WIDE_GEMM_SPACE_AXES`). Without a tuned config, the default is whichever
+of the two measured faster in this process (`measured_gemm_backend`, one llama-sized GEMM each): the figures above
+are one CPU's, and MKL takes a different code path on each vendor, so no machine's ranking is baked in.
+$TTFTC_CPU_GEMM (onednn or blas) overrides the measurement.
 
 Weights stay in their frozen [N, K] layout and reach the GEMM as-is (oneDNN) or as the transposed view `w.t()`
 (BLAS transB), with no compile-time copy: a contiguous [K, N] copy measured no faster at llama-135m shapes
@@ -21,7 +24,10 @@ Weights stay in their frozen [N, K] layout and reach the GEMM as-is (oneDNN) or 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 import torch
 
@@ -29,6 +35,12 @@ GEMM_BACKENDS = ("onednn", "blas")
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 DEFAULT_N_BLOCK = 1024  # for the "blas" backend only
 WIDE_GEMM_SPACE_AXES = {"gemm": GEMM_BACKENDS, "n_block": (0, 512, 1024, 2048)}
+# Overrides the measured default backend: for a machine where the measurement misleads, and for tests.
+GEMM_BACKEND_ENV = "TTFTC_CPU_GEMM"
+# The timed GEMM: a 256-token prompt through a 1024 x 1024 projection (llama-135m's hidden size), the same shape the
+# int8 GEMM choice times: large enough that the GEMM, not the call, is timed, a few ms at most per call.
+TIMED_SHAPE = (256, 1024, 1024)
+_REPEATS = 3
 
 
 @functools.cache  # a property of the build and the CPU; every GEMM call asks (gemm_options)
@@ -43,8 +55,63 @@ def onednn_reason(dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+@dataclass(frozen=True)
+class GemmBackendChoice:
+    """The default CPU GEMM backend for one dtype, and the measurements (or the reason) behind it."""
+
+    dtype: torch.dtype
+    backend: str
+    ms: Mapping[str, float] = field(default_factory=dict)  # backend -> best of _REPEATS, where timed
+    reason: str = ""  # why nothing was timed (an override, or only one backend can run)
+
+    def describe(self) -> str:
+        """e.g. "fp32 GEMM: onednn (1.9 ms; blas 2.4 ms at 256x1024x1024)"."""
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, str(self.dtype))
+        if not self.ms:
+            return f"{name} GEMM: {self.backend} ({self.reason})"
+        m, k, n = TIMED_SHAPE
+        others = "".join(f"; {b} {t:.1f} ms" for b, t in sorted(self.ms.items()) if b != self.backend)
+        return f"{name} GEMM: {self.backend} ({self.ms[self.backend]:.1f} ms{others} at {m}x{k}x{n})"
+
+
+def _backend_ms(backend: str, dtype: torch.dtype) -> float:
+    m, k, n = TIMED_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=generator).to(dtype)
+    w = torch.randn(n, k, generator=generator).to(dtype)
+    linear_2d(x, w, None, gemm=backend)  # the first call packs and allocates; it is not what a prefill pays
+    best = float("inf")
+    for _ in range(_REPEATS):
+        start = time.perf_counter()
+        linear_2d(x, w, None, gemm=backend)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def choose_gemm_backend(dtype: torch.dtype, ms: Mapping[str, float]) -> GemmBackendChoice:
+    """The policy, apart from the timing: the faster backend; oneDNN only where it can run."""
+    timed = {b: t for b, t in ms.items() if b == "blas" or onednn_reason(dtype) is None}
+    return GemmBackendChoice(dtype, min(timed, key=timed.get), dict(timed))
+
+
+@functools.cache  # a property of the machine and the build, measured once per process and dtype
+def measured_gemm_backend(dtype: torch.dtype) -> GemmBackendChoice:
+    """The backend a GEMM of `dtype` runs with when no tuned config names one."""
+    override = os.environ.get(GEMM_BACKEND_ENV)
+    if override is not None:
+        if override not in GEMM_BACKENDS:
+            raise ValueError(f"{GEMM_BACKEND_ENV}={override!r}: expected one of {', '.join(GEMM_BACKENDS)}, "
+                             f"or unset it to measure")
+        if override == "onednn" and onednn_reason(dtype) is not None:
+            return GemmBackendChoice(dtype, "blas", reason=f"{GEMM_BACKEND_ENV}=onednn, but {onednn_reason(dtype)}")
+        return GemmBackendChoice(dtype, override, reason=f"set by {GEMM_BACKEND_ENV}")
+    if onednn_reason(dtype) is not None:
+        return GemmBackendChoice(dtype, "blas", reason=f"the only backend here: {onednn_reason(dtype)}")
+    return choose_gemm_backend(dtype, {backend: _backend_ms(backend, dtype) for backend in GEMM_BACKENDS})
+
+
 def default_gemm(dtype: torch.dtype) -> str:
-    return "onednn" if onednn_reason(dtype) is None else "blas"
+    return measured_gemm_backend(dtype).backend
 
 
 def gemm_options(tuning_config: Optional[dict], dtype: torch.dtype) -> dict:
