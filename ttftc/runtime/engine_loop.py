@@ -5,11 +5,15 @@ about its tokens through a callback.
     loop.start()
     request_id = loop.submit(Request(ids, max_new_tokens=32), sink)   # sink(TokenEvent | EndEvent), engine thread
     loop.cancel(request_id)                                           # e.g. the client went away
+    loop.estimate(ids, tenant=None, priority=0, max_new_tokens=32)    # a TTFTEstimate, before submitting
     loop.close(drain_timeout_s=30)                                    # finish what runs, then stop
 
 Torch releases the GIL inside its kernels, so the thread computes while an HTTP server's event loop keeps
 accepting and streaming. Sinks run on the engine thread between steps: they must only hand the event over (a
 queue put, `loop.call_soon_threadsafe`), never block. A sink that raises is reported once and otherwise ignored.
+
+`estimate` (any thread) replays the scheduler's next steps (runtime/ttft_estimate.py) from the queue the engine
+thread last published plus the requests submitted since, which the engine thread has not taken in yet.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional, Union
+from typing import Callable, Hashable, Optional, Sequence, Union
 
+from ttftc.runtime.prefix_cache import Tenant
 from ttftc.runtime.scheduler import CANCELLED, ERROR, Request, RequestRecord, StepScheduler
+from ttftc.runtime.ttft_estimate import QueuedPrefill, QueueView, TTFTEstimate, simulate
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +61,7 @@ class EngineLoop:
     def __init__(self, scheduler: StepScheduler, *, name: str = "ttftc-engine"):
         self.scheduler = scheduler
         self._cond = threading.Condition()
-        self._inbox: deque[tuple[Request, Sink, float]] = deque()
+        self._inbox: deque[tuple[Request, Sink, float, QueuedPrefill]] = deque()
         self._cancels: deque[Hashable] = deque()
         self._sinks: dict[Hashable, Sink] = {}
         self._accepting = True
@@ -91,18 +97,48 @@ class EngineLoop:
         """Queue `request`; its events go to `sink`. The prompt is validated here, in the caller's thread, so bad
         input raises ValueError at once. `arrived_at` (scheduler clock) defaults to now."""
         arrived_at = self.clock() if arrived_at is None else arrived_at
-        self.scheduler.engine.validate(request.prompt)
+        ids = self.scheduler.engine.validate(request.prompt)
         if request.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        queued = self._queued(ids, request.tenant, request.priority, request.max_new_tokens, 0)
         with self._cond:
             if not self._accepting:
                 raise EngineClosedError("the engine is shutting down and takes no new requests")
             if request.request_id is None:
                 request.request_id = f"req-{next(self._ids)}"
-            self._inbox.append((request, sink, arrived_at))
+            self._inbox.append((request, sink, arrived_at, queued))
             self.waiting += 1
             self._cond.notify()
         return request.request_id
+
+    def estimate(self, prompt_ids: Sequence[int], *, tenant: Tenant = None, priority: int = 0,
+                 max_new_tokens: int = 1) -> TTFTEstimate:
+        """How long from now until a request for `prompt_ids` submitted now would get its first token, and until
+        the queue (with it) has drained. `prompt_ids` must be valid (`engine.validate`); nothing is queued."""
+        scheduler = self.scheduler
+        with self._cond:
+            inbox = [queued for _, _, _, queued in self._inbox]
+        view = scheduler.view
+        base = len(view.prefills) + len(inbox)
+        if inbox:
+            prefills = view.prefills + tuple(QueuedPrefill(q.priority, q.remaining, q.position, base + k,
+                                                           q.decode_tokens) for k, q in enumerate(inbox))
+            view = QueueView(prefills, view.decoding, view.step_ends_at)
+        new = self._queued(prompt_ids, tenant, priority, max_new_tokens, base + len(inbox))
+        return simulate(scheduler.cost_model, view, scheduler.shape, new, self.clock())
+
+    def _queued(self, ids: Sequence[int], tenant: Tenant, priority: int, max_new_tokens: int,
+                order: float) -> QueuedPrefill:
+        cached = 0
+        cache = self.scheduler.engine.prefix_cache
+        if cache is not None:
+            try:
+                cached = cache.cached_tokens(ids, tenant=tenant)
+            except TypeError:  # a tenant the scheduler will refuse: it costs nothing
+                cached = 0
+            # the last prompt token is always computed (runtime/chunked.py): a whole-prompt hit stops a block short
+            cached = min(cached, (len(ids) - 1) // cache.block_size * cache.block_size)
+        return QueuedPrefill(priority, len(ids) - cached, cached, order, max(0, max_new_tokens - 1))
 
     def cancel(self, request_id: Hashable) -> None:
         """Stop a request (queued or running); its sink gets an EndEvent with reason CANCELLED. Unknown or finished
@@ -158,7 +194,7 @@ class EngineLoop:
             self._publish()
 
     def _admit(self, arrivals) -> None:
-        for request, sink, arrived_at in arrivals:
+        for request, sink, arrived_at, _ in arrivals:
             try:
                 record = self.scheduler.submit(request, arrived_at=arrived_at)
             except Exception as exc:  # validated at submit, so only what changed since (or a bug) lands here

@@ -47,7 +47,13 @@ Tokens and finishes are reported as they happen, through `on_token(request_id, t
 `on_finish(request_id)` if set, not only in the StepStats at the end of the step: a short prompt's first token
 must not wait for the rest of the step (a long prompt's chunk, other requests' decodes) to reach its client.
 
-One scheduler belongs to one thread: nothing here is locked (runtime/engine_loop.py drives it from its thread).
+TTFT estimates. The scheduler times every forward it runs into `cost_model` (runtime/ttft_estimate.py) and
+publishes `view`, a frozen picture of its queue (each prefill's aged priority and remaining tokens, the running
+sequences' remaining decodes, when the step under way should end), at every submit, cancel, plan and step end;
+`estimate(...)` replays the next steps from it.
+
+One scheduler belongs to one thread: nothing here is locked (runtime/engine_loop.py drives it from its thread);
+`view` and the cost model's fit are replaced whole, so other threads may read them.
 """
 
 from __future__ import annotations
@@ -57,11 +63,12 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional, Union
+from typing import Callable, Hashable, Optional, Sequence, Union
 
 from ttftc.runtime.chunked import FirstToken, PrefillJob
 from ttftc.runtime.engine import PrefillEngine, PromptIds
 from ttftc.runtime.sampling import GREEDY, Sampling
+from ttftc.runtime.ttft_estimate import CostModel, QueuedPrefill, QueueView, StepShape
 
 # RequestRecord.finish_reason values.
 LENGTH, STOP, CANCELLED, ERROR = "length", "stop", "cancelled", "error"
@@ -161,7 +168,8 @@ class _Running:
 class StepScheduler:
     def __init__(self, engine: PrefillEngine, token_budget: int, *, chunk_size: Optional[int] = None,
                  clock: Callable[[], float] = time.perf_counter, max_skipped_steps: int = 4,
-                 batch_window_s: float = 0.0, max_running: Optional[int] = None, min_chunk: int = 32):
+                 batch_window_s: float = 0.0, max_running: Optional[int] = None, min_chunk: int = 32,
+                 cost_model: Optional[CostModel] = None):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if chunk_size is not None and chunk_size < 1:
@@ -188,6 +196,8 @@ class StepScheduler:
         self._running: deque[_Running] = deque()
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self.view = QueueView()
 
     # ---- state -----------------------------------------------------------------------------------------------------
 
@@ -242,6 +252,7 @@ class StepScheduler:
         record = RequestRecord(request.request_id, len(job.token_ids), now, cached_tokens=job.cached_tokens)
         self.records[request.request_id] = record
         self._prefilling.append(_Prefill(request, record, job, next(self._arrivals)))
+        self._publish_view()
         return record
 
     def cancel(self, request_id: Hashable) -> RequestRecord:
@@ -251,11 +262,13 @@ class StepScheduler:
                 self._prefilling.remove(item)
                 item.job.cancel()
                 self._close(item.record, CANCELLED)
+                self._publish_view()
                 return item.record
         for run in list(self._running):
             if run.request.request_id == request_id:
                 self._running.remove(run)
                 self._finish(run.first, run.record, CANCELLED)
+                self._publish_view()
                 return run.record
         raise KeyError(f"no queued or running request {request_id!r}")
 
@@ -271,15 +284,45 @@ class StepScheduler:
     def step(self) -> StepStats:
         finished: list = []
         emitted: list = []
+        if self._running:
+            rows = min(len(self._running), self.token_budget)
+            self._publish_view(ends_at=self.clock() + self.cost_model.decode_s(rows))
         decode_tokens = self._decode(self.token_budget, finished, emitted)
         aged = self._aged_priorities()
         admitted = self._admissible(aged)
         plan = self._plan_prefills(admitted, self.token_budget - decode_tokens, aged)
+        if plan:
+            cost = sum(self.cost_model.prefill_s(n, item.job.position) for item, n in plan)
+            self._publish_view(plan, ends_at=self.clock() + cost, aged=aged)
         batched_rows = self._prefill(plan, finished, emitted)
         served = {id(item) for item, _ in plan}
         for item in admitted:  # only a prefill that could have run and got no budget is being skipped
             item.skipped_steps = 0 if id(item) in served else item.skipped_steps + 1
+        self._publish_view()
         return StepStats(decode_tokens, sum(n for _, n in plan), tuple(finished), tuple(emitted), batched_rows)
+
+    # ---- the TTFT estimate -----------------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape(self.token_budget, self.chunk_size, self.min_chunk, self.batch_window_s)
+
+    def _publish_view(self, plan: Sequence[tuple[_Prefill, int]] = (), *, ends_at: Optional[float] = None,
+                      aged: Optional[dict[int, int]] = None) -> None:
+        """Replace `view`; a step's planned chunks count as done already (their time is in `ends_at`)."""
+        aged = self._aged_priorities() if aged is None else aged
+        planned = {id(item): n for item, n in plan}
+        prefills = []
+        decoding = [run.request.max_new_tokens - len(run.record.tokens) for run in self._running]
+        for item in self._prefilling:
+            n = planned.get(id(item), 0)
+            after = item.request.max_new_tokens - 1
+            if item.job.remaining - n <= 0:
+                decoding.append(after)
+            else:
+                prefills.append(QueuedPrefill(aged.get(id(item), item.request.priority), item.job.remaining - n,
+                                              item.job.position + n, item.arrival_order, after))
+        self.view = QueueView(tuple(prefills), tuple(d for d in decoding if d > 0), ends_at)
 
     def _decode(self, budget: int, finished: list, emitted: list) -> int:
         """One token for each of the first `budget` running requests, in one batched forward; those that decoded go
@@ -288,10 +331,13 @@ class StepScheduler:
         if not batch:
             return 0
         rows = [(run.first.kv, run.record.tokens[-1], run.request.sampling, run.generator) for run in batch]
+        started = self.clock()
         try:
             results = self.engine.decode_batch(rows)
         except Exception as exc:  # the engine isolates rows; this is a bug in it: fail the batch, not the step
             results = [exc] * len(batch)
+        else:
+            self.cost_model.observe_decode(len(rows), self.clock() - started)
         count = 0
         for run, result in zip(batch, results):
             if not any(run is live for live in self._running):
@@ -372,10 +418,13 @@ class StepScheduler:
                     continue
                 ran_together = True
                 self._mark_started(item for item, _ in together)
+                started = self.clock()
                 try:
                     results = self.engine.prefill_together([(it.job, k) for it, k in together], publish=False)
                 except Exception as exc:
                     results = self._rows_after_failure(together, exc)
+                else:
+                    self.cost_model.observe_prefill([(k, 0) for _, k in together], self.clock() - started)
                 for (it, _), first in zip(together, results):
                     if isinstance(first, Exception):
                         self._fail_prefill(it, first, finished)
@@ -383,11 +432,13 @@ class StepScheduler:
                         self._after_prefill(it, first, finished, emitted)
                 continue
             self._mark_started([item])
+            context, started = item.job.position, self.clock()
             try:
                 first = item.job.advance(n, publish=False)
             except Exception as exc:
                 self._fail_prefill(item, exc, finished)
                 continue
+            self.cost_model.observe_prefill([(n, context)], self.clock() - started)
             self._after_prefill(item, first, finished, emitted)
         return len(together) if len(together) > 1 else 0
 
