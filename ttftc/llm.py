@@ -34,6 +34,7 @@ from typing import Any, Hashable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from ttftc.models import load_model, resolve_model
 from ttftc.runtime.prefix_cache import PRIVATE, Tenant
 from ttftc.text import OutputText, PromptCodec, load_tokenizer
 from ttftc.text import Delta as Delta  # re-exported: what stream() yields
@@ -562,13 +563,7 @@ class _ModelSource:
             return cls(model_or_path.eval(), type(model_or_path).__name__)
         if not isinstance(model_or_path, (str, Path)):
             raise TypeError(f"LLM takes a model, a preset name or a directory, got {type(model_or_path).__name__}")
-        from ttftc.bench.errors import BenchInputError
-        from ttftc.bench.models import load_model, resolve_model
-
-        try:
-            spec = resolve_model(str(model_or_path))
-        except BenchInputError as exc:
-            raise ValueError(str(exc)) from None
+        spec = resolve_model(str(model_or_path))  # a ModelInputError, a ValueError, names what is wrong
         model = load_model(spec)
         if spec.is_preset:
             return cls(model, spec.name)

@@ -10,14 +10,14 @@ import torch
 
 from ttftc import zoo
 from ttftc.bench.workloads import WorkloadContext, get_workload, workload_names
-from ttftc.runtime import workloads
+from ttftc.bench import runtime_workloads as workloads
 from ttftc.runtime.engine import PrefillEngine
 
 FORWARD_S, TOKEN_S = 1e-3, 1e-4  # virtual cost of one forward, and of each token it computes
 
 
 class VirtualTime:
-    """Stands in for the `time` module of ttftc.runtime.workloads."""
+    """Stands in for the `time` module of ttftc.bench.runtime_workloads."""
 
     def __init__(self):
         self.now = 0.0

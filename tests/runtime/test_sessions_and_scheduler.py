@@ -8,7 +8,7 @@ import torch
 from tests.helpers import assert_logits_match
 from ttftc import zoo
 from ttftc.runtime import ChatSession, PrefillEngine, PrefixCache, Request, StepScheduler
-from ttftc.runtime.workloads import TimedRequest, run_arrivals
+from ttftc.bench.runtime_workloads import TimedRequest, run_arrivals
 
 
 def reference_logits(model, ids):

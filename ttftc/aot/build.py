@@ -10,13 +10,13 @@ from ttftc.aot.manifest import parse_recipe
 from ttftc.buckets.program import LOGITS_MODES, GraphSignature
 from ttftc.cache.schema import SchemaError
 from ttftc.config import Config
+from ttftc.models import load_model, resolve_model
 
 
 def build_artifact(model_name: str, directory: Path | str, config: Config, *, batch_sizes: Sequence[int] = (1,),
                    logits: Sequence[str] = ("last",), kv: bool = True, attn: str = "sdpa", cache=None) -> Path:
     """Load `model_name` (a zoo preset or a local Hugging Face directory), compile every bucket x batch x logits
     mode with `config`, and write the artifact. `cache` is a CompileCache to reuse graphs from, or None."""
-    from ttftc.bench.models import load_model, resolve_model
     from ttftc.buckets.compiled import CompiledGraphs
 
     for mode in logits:

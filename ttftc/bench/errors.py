@@ -1,5 +1,8 @@
-"""The one error type of bench for input the user must fix (the CLI turns it into exit status 2)."""
+"""The error type of bench for input the user must fix (the CLI turns it, like a bad model name, into exit status 2)."""
+
+from ttftc.models import ModelInputError
 
 
-class BenchInputError(ValueError):
-    """Bad input: an unknown preset or variant, a directory that is not a model, a malformed length."""
+class BenchInputError(ModelInputError):
+    """Bad input: an unknown variant, a malformed length, a model a variant cannot run. A bad model name is the
+    ModelInputError of ttftc.models, this class's base, which the commands catch."""

@@ -1,11 +1,11 @@
 """The runtime's TTFT workloads, measured in one process: shared system prompt, multi-turn chat, mixed arrivals.
 
-    python -m ttftc.runtime.workloads --model llama-135m            # all three, short runs
-    python -m ttftc.runtime.workloads --model tiny --only shared-prefix
+    python -m ttftc.bench.runtime_workloads --model llama-135m            # all three, short runs
+    python -m ttftc.bench.runtime_workloads --model tiny --only shared-prefix
 
 Each function compares two arms of the same work inside one process, interleaved per repeat, and reports medians
 and their ratio, because absolute times on a shared machine are noise. `ttftc bench` runs the same workloads as
-plug-ins (ttftc/bench/workloads/runtime.py) next to the compiler variants.
+plug-ins (ttftc/bench/workloads/: shared_prefix.py, chat.py, arrivals.py) next to the compiler variants.
 
 - shared prefix: prompts of `prompt_len` tokens that share their first `shared_len`. Cold: the prompt on a cache
   miss (same engine, same prefix cache, a tenant that has nothing cached). Warm: another prompt with the same
@@ -37,6 +37,7 @@ from ttftc.runtime.engine import PrefillEngine
 from ttftc.runtime.prefix_cache import PrefixCache
 from ttftc.runtime.scheduler import Request, RequestRecord, StepScheduler
 from ttftc.runtime.sessions import ChatSession
+from ttftc.stats import percentile
 
 
 def random_tokens(vocab_size: int, length: int, seed: int) -> list[int]:
@@ -48,14 +49,6 @@ def _timed(fn: Callable, *args, **kwargs):
     start = time.perf_counter()
     out = fn(*args, **kwargs)
     return time.perf_counter() - start, out
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def _ratio(a: Sequence[float], b: Sequence[float]) -> float:

@@ -6,11 +6,12 @@ asynchronous device (CUDA, NPU) is charged for its queued work. On CPU the sync 
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Sequence
 
 import torch
+
+from ttftc.stats import percentile
 
 
 def synchronize(device: str) -> None:
@@ -28,19 +29,6 @@ def time_call(fn: Callable[..., Any], *args: Any, device: str = "cpu") -> float:
     fn(*args)
     synchronize(device)
     return time.perf_counter() - start
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's default).
-
-    With few samples p99 is close to the maximum; the sample count is reported next to it for that reason.
-    """
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def summarize_ms(samples_s: Sequence[float]) -> dict[str, float]:

@@ -86,7 +86,8 @@ def _quiet_third_party_logs() -> None:
 
 
 def run(args) -> int:
-    from ttftc.bench import BenchInputError, BenchSettings, run_bench
+    from ttftc.bench import BenchSettings, run_bench
+    from ttftc.models import ModelInputError
     from ttftc.bench import report
     from ttftc.bench.variants import DEFAULT_VARIANTS, split_variant_list
     from ttftc.bench.workloads import DEFAULT_WORKLOAD
@@ -130,7 +131,7 @@ def run(args) -> int:
             autotune_cache=args.autotune_cache,
         )
         doc = run_bench(settings)
-    except BenchInputError as exc:
+    except ModelInputError as exc:  # BenchInputError included
         raise UsageError(str(exc)) from None
     print("\n".join(report.summary_lines(doc)))
     if doc.get("ablation"):

@@ -55,7 +55,7 @@ def run(args) -> int:
     import time
 
     from ttftc.aot import ArtifactError, build_artifact, rebuild_artifact
-    from ttftc.bench import BenchInputError
+    from ttftc.models import ModelInputError
     from ttftc.cache import default_cache
     from ttftc.commands import UsageError, parse_passes
     from ttftc.config import Config
@@ -74,7 +74,7 @@ def run(args) -> int:
                 raise UsageError(str(exc)) from None
             directory = build_artifact(args.model, args.output, config, batch_sizes=args.batch, logits=args.logits,
                                        kv=not args.no_kv, cache=default_cache())
-    except (ArtifactError, BenchInputError) as exc:
+    except (ArtifactError, ModelInputError) as exc:
         raise UsageError(str(exc)) from None
     from ttftc.aot import read_manifest
 

@@ -43,14 +43,14 @@ def run(args) -> int:
     import torch
 
     import ttftc
-    from ttftc.bench import BenchInputError
+    from ttftc.models import ModelInputError
     from ttftc.bench.models import PREFILL_KWARGS, example_prompt, load_model, max_positions, model_config, resolve_model
     from ttftc.bench.roofline import bound_ms, describe_prefill, measure_gemm_peak, prefill_flops
     from ttftc.commands import UsageError, parse_passes
 
     try:
         spec = resolve_model(args.model)
-    except BenchInputError as exc:
+    except ModelInputError as exc:
         raise UsageError(str(exc)) from None
     limit = max_positions(model_config(spec))
     if limit is not None and args.seq > limit:

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ttftc.bench.timing import percentile
+from ttftc.stats import percentile
 
 
 @dataclass(frozen=True)

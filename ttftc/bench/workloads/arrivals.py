@@ -3,7 +3,7 @@ decoding throughout; served by ttftc.runtime's step scheduler, which interleaves
 
 `mixed-arrivals` prefills in chunks of CHUNK tokens; `mixed-arrivals-unchunked` prefills each prompt whole.
 The measured TTFTs are the short requests' (queueing included); their p95 chunked/unchunked is the issue's
-<= 0.4x target. The decoding request's worst stall is printed by `python -m ttftc.runtime.workloads`.
+<= 0.4x target. The decoding request's worst stall is printed by `python -m ttftc.bench.runtime_workloads`.
 
 Time scale: `arrival_s` here is in units of one short prefill. `replay` measures that prefill on the variant
 first and rescales, so the offered load (LOAD of the server's capacity for short prompts) is the same on a
@@ -17,9 +17,11 @@ import statistics
 import time
 from typing import Optional, Sequence
 
+from ttftc.bench.runtime_workloads import TimedRequest, run_arrivals
 from ttftc.bench.timing import synchronize
 from ttftc.bench.workloads.base import Request, Server, ServeTarget, Workload, WorkloadContext
 from ttftc.bench.workloads.registry import register_workload
+from ttftc.runtime import Request as RuntimeRequest
 
 SHORT_TOKENS = 64
 N_SHORT = 16
@@ -64,9 +66,6 @@ class MixedArrivals(Workload):
         return SchedulerServer(target)
 
     def replay(self, requests: Sequence[Request], server: Server, *, device: str = "cpu") -> list[float]:
-        from ttftc.runtime import Request as RuntimeRequest
-        from ttftc.runtime.workloads import TimedRequest, run_arrivals
-
         if not isinstance(server, SchedulerServer):
             return super().replay(requests, server, device=device)
         engine = server.engine
