@@ -34,6 +34,35 @@ def _non_negative_seconds(text: str) -> float:
     return seconds(text, allow_zero=True)
 
 
+def _tenant_priority(text: str) -> tuple[str, int]:
+    name, sep, value = text.rpartition("=")
+    try:
+        number = int(value.strip())
+    except ValueError:
+        number = None
+    if not sep or not name.strip() or number is None or not -(1 << 31) <= number < (1 << 31):
+        raise argparse.ArgumentTypeError(f"--tenant-priority {text!r}: expected NAME=INT with INT a 32-bit integer "
+                                         "(lower runs sooner), e.g. batch=5")
+    return name.strip(), number
+
+
+def _margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"--slo-margin {text!r}: a fraction in [0, 1), e.g. 0.2")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "serve",
@@ -76,6 +105,18 @@ def add_parser(subparsers) -> None:
                    "server must set this header (or strip it): whoever can set it can confirm guesses of that "
                    "tenant's cached prompt prefixes through usage.prompt_tokens_details.cached_tokens (and, more "
                    "noisily, TTFT)")
+    p.add_argument("--tenant-priority", type=_tenant_priority, action="append", default=[], metavar="NAME=INT",
+                   help="the priority of tenant NAME's requests (repeatable; needs --tenant-header; lower runs "
+                   "sooner). A request's own priority field may ask to run later than this, never sooner")
+    p.add_argument("--slo-ttft-ms", type=seconds, metavar="MS",
+                   help="admission control (off by default): answer 429 at once, with Retry-After, to a request "
+                   "whose estimated TTFT exceeds MS by more than --slo-margin")
+    p.add_argument("--slo-margin", type=_margin, default=0.2, metavar="F",
+                   help="with --slo-ttft-ms: refuse a request above MS x (1 + F), or above MS x (1 - F) when its "
+                   "priority is above --shed-priority-above (default 0.2)")
+    p.add_argument("--shed-priority-above", type=_int, default=0, metavar="P",
+                   help="with --slo-ttft-ms: requests of a priority above P (less important) are shed first "
+                   "(default 0)")
     p.add_argument("--no-report-cached-tokens", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens as 0 (the prefix cache still works), so "
                    "the field tells a client nothing about other requests' prompts")
@@ -95,7 +136,16 @@ def run(args) -> int:
     from ttftc.commands import UsageError
     from ttftc.llm import LLM
     from ttftc.serve import create_app, run_server
+    from ttftc.serve.policy import ServingPolicy
 
+    names = [name for name, _ in args.tenant_priority]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise UsageError(f"--tenant-priority names {repeated[0]!r} more than once; give each tenant one priority")
+    if names and not args.tenant_header:
+        raise UsageError("--tenant-priority needs --tenant-header NAME: without it no request names a tenant")
+    policy = ServingPolicy(tenant_priorities=dict(args.tenant_priority), slo_ttft_ms=args.slo_ttft_ms,
+                           slo_margin=args.slo_margin, shed_priority_above=args.shed_priority_above)
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -114,7 +164,8 @@ def run(args) -> int:
         print(f"ttftc serve: {note}", file=sys.stderr)
     print(f"ttftc serve: {llm.name} ready in {time.perf_counter() - started:.1f} s on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
-    app = create_app(llm, tenant_header=args.tenant_header, report_cached_tokens=not args.no_report_cached_tokens)
+    app = create_app(llm, tenant_header=args.tenant_header, report_cached_tokens=not args.no_report_cached_tokens,
+                     policy=policy)
     cut_off = run_server(app, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
                          log_level=args.log_level)
     print(f"ttftc serve: stopped ({cut_off} requests cut off by the drain timeout)", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI's completions and chat endpoints over a `ttftc.LLM`, plus models, health and metrics.
 
-    app = create_app(llm, tenant_header="X-Tenant", report_cached_tokens=True)
+    app = create_app(llm, tenant_header="X-Tenant", report_cached_tokens=True,
+                     policy=ServingPolicy(tenant_priorities={"batch": 5}, slo_ttft_ms=700))
 
 Each request is validated in full before anything is queued, so a bad one gets its 400 (OpenAI's error shape)
 and costs the engine nothing. The prompt then goes to the LLM's engine thread; its tokens come back to this
@@ -15,6 +16,13 @@ request. It never falls back to the LLM's default namespace, which belongs to in
 whoever can set the tenant header can test guesses of what that tenant's prompts begin with (a cache block at a
 time): the header must be set (or stripped) by a trusted proxy. `report_cached_tokens=False` reports 0 instead
 (TTFT still tells a cached prefix from a cold one, more noisily).
+
+Every request gets a TTFT estimate before it is queued (runtime/ttft_estimate.py: a cost model fitted online from
+the engine's forwards, replayed over the work queued ahead of it in priority order), sent back as the header
+`x-ttftc-estimated-ttft-ms` (milliseconds from the request's arrival at its handler) and recorded in /metrics
+beside the TTFT it got. The policy (serve/policy.py) sets each tenant's priority and, with an SLO, refuses at once
+(HTTP 429 in OpenAI's shape, with `Retry-After`, the seconds until the queue is estimated to drain) a request
+whose estimate misses the SLO by more than its margin.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from typing import Optional
 
@@ -35,6 +44,7 @@ from ttftc.runtime.prefix_cache import PRIVATE, Tenant
 from ttftc.serve import sse
 from ttftc.serve.errors import APIError, bad_request, error_body
 from ttftc.serve.metrics import CONTENT_TYPE, ServerMetrics
+from ttftc.serve.policy import ServingPolicy
 from ttftc.serve.protocol import GenerationRequest, parse_chat, parse_completion
 from ttftc.text import NoTokenizerError
 
@@ -42,18 +52,23 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
 _GONE = object()  # put on a request's event queue when its client disconnects
+ESTIMATE_HEADER = "x-ttftc-estimated-ttft-ms"
 
 
 def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Optional[str] = None,
-               report_cached_tokens: bool = True) -> FastAPI:
+               report_cached_tokens: bool = True, policy: Optional[ServingPolicy] = None) -> FastAPI:
+    policy = policy if policy is not None else ServingPolicy()
+    if policy.tenant_priorities and not tenant_header:
+        raise ValueError("tenant priorities need a tenant header (tenant_header=..., --tenant-header NAME): without "
+                         "one no request names a tenant")
     app = FastAPI(title="ttftc", docs_url=None, redoc_url=None, openapi_url=None)
-    served = _Served(llm, model_name or llm.name, tenant_header, report_cached_tokens)
+    served = _Served(llm, model_name or llm.name, tenant_header, report_cached_tokens, policy)
     app.state.served = served
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         served.metrics.errors.labels(str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -111,17 +126,24 @@ async def _parse(request: Request, parse) -> GenerationRequest:
 class _Served:
     """What the endpoints share: the LLM, its name, the tenant header, the metrics, the draining flag."""
 
-    def __init__(self, llm: LLM, name: str, tenant_header: Optional[str], report_cached_tokens: bool = True):
+    def __init__(self, llm: LLM, name: str, tenant_header: Optional[str], report_cached_tokens: bool = True,
+                 policy: Optional[ServingPolicy] = None):
         self.llm = llm
         self.name = name
         self.tenant_header = tenant_header
         self.report_cached_tokens = report_cached_tokens
+        self.policy = policy if policy is not None else ServingPolicy()
         self.draining = False
         self.created = int(time.time())
+        self._estimate_failed = False
         cache = llm.prefix_cache
+        stats = (lambda: cache.stats()) if cache is not None else None
         self.metrics = ServerMetrics(
             running=lambda: llm.loop.running, waiting=lambda: llm.loop.waiting, kv_tokens=lambda: llm.loop.kv_tokens,
-            prefix_cache_bytes=(lambda: cache.stats().bytes_held) if cache is not None else (lambda: 0))
+            prefix_cache_bytes=(lambda: stats().bytes_held) if stats else (lambda: 0),
+            pinned_tokens=(lambda: stats().pinned_tokens) if stats else (lambda: 0),
+            pinned_prompts=(lambda: stats().pinned_prompts) if stats else (lambda: 0),
+            cost_terms=llm.scheduler.cost_model.coefficients)
 
     def model_card(self) -> dict:
         geometry = self.llm.engine.geometry
@@ -153,9 +175,48 @@ class _Served:
         value = request.headers.get(self.tenant_header)
         return value if value else PRIVATE
 
+    def estimate(self, ids: list[int], tenant: Tenant, priority: int, max_new_tokens: int,
+                 arrived: float) -> Optional[tuple[float, float]]:
+        """(seconds from `arrived` to the first token, seconds from now until the queue drains), as estimated now;
+        None if the estimate failed (the request is served without one rather than refused for it)."""
+        try:
+            ahead = self.llm.loop.estimate(ids, tenant=tenant, priority=priority, max_new_tokens=max_new_tokens)
+        except Exception:
+            if not self._estimate_failed:
+                log.exception("the TTFT estimate failed; requests are served without one")
+                self._estimate_failed = True
+            return None
+        return (time.perf_counter() - arrived) + ahead.ttft_s, ahead.drain_s
+
+    def admit(self, estimate: Optional[tuple[float, float]], priority: int) -> dict[str, str]:
+        """The estimate's header, or a 429 (module docstring) when the policy refuses the request."""
+        if estimate is None:
+            return {}
+        estimated_s, drain_s = estimate
+        headers = {ESTIMATE_HEADER: f"{estimated_s * 1e3:.0f}"}
+        if self.policy.refuses(estimated_s, priority):
+            shed_first = priority > self.policy.shed_priority_above
+            self.metrics.shed.labels("shed_first" if shed_first else "protected").inc()
+            limit_ms = self.policy.limit_s(priority) * 1e3
+            retry = max(1, math.ceil(drain_s))
+            raise APIError(
+                429, f"the server is overloaded: this request's estimated time to first token is "
+                f"{estimated_s * 1e3:.0f} ms, above the {limit_ms:.0f} ms this server admits at priority {priority} "
+                f"(TTFT SLO {self.policy.slo_ttft_ms:g} ms); retry after {retry} s",
+                type="rate_limit_error", code="slo_ttft_exceeded", headers={**headers, "Retry-After": str(retry)})
+        return headers
+
     async def respond(self, request: Request, parsed: GenerationRequest, ids: list[int], arrived: float):
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="draining")
+        tenant = self.tenant(request)
+        priority = self.policy.priority(tenant, parsed.priority)
+        try:
+            self.llm.check_length(ids, parsed.params.max_new_tokens)  # a 400 before any 429
+        except ParamError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
+        estimate = self.estimate(ids, tenant, priority, parsed.params.max_new_tokens, arrived)
+        headers = self.admit(estimate, priority)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -166,21 +227,20 @@ class _Served:
                 pass
 
         try:
-            output = self.llm.open(ids, parsed.params, sink, tenant=self.tenant(request), priority=parsed.priority,
-                                   arrived_at=arrived)
+            output = self.llm.open(ids, parsed.params, sink, tenant=tenant, priority=priority, arrived_at=arrived)
         except ParamError as exc:
             raise bad_request(str(exc), param=exc.param) from None
         except EngineClosedError:
             raise APIError(503, "the server is shutting down", type="server_error", code="draining") from None
         except ValueError as exc:
             raise bad_request(str(exc), param="prompt") from None
-        flight = _Flight(self, request, output, events)
+        flight = _Flight(self, request, output, events, None if estimate is None else estimate[0])
         shape = sse.ResponseShape(parsed.kind, self.name, report_cached_tokens=self.report_cached_tokens)
         if parsed.stream:
             return StreamingResponse(self._stream(flight, shape, parsed.include_usage, arrived),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._whole(flight, shape, arrived)
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        return await self._whole(flight, shape, arrived, headers)
 
     async def _stream(self, flight: "_Flight", shape: sse.ResponseShape, include_usage: bool, arrived: float):
         output = flight.output
@@ -195,7 +255,7 @@ class _Served:
                     continue
                 yield sse.event(shape.chunk(delta.text, delta.token_ids))
                 if isinstance(event, TokenEvent):
-                    last_sent = self._observe_token(arrived, last_sent)
+                    last_sent = self._observe_token(flight, arrived, last_sent)
             completion = output.completion()
             if completion.finish_reason == "error":
                 yield sse.event(error_body(f"generation failed: {completion.error}", type="server_error"))
@@ -207,7 +267,7 @@ class _Served:
         finally:
             flight.close()
 
-    async def _whole(self, flight: "_Flight", shape: sse.ResponseShape, arrived: float):
+    async def _whole(self, flight: "_Flight", shape: sse.ResponseShape, arrived: float, headers: dict[str, str]):
         output = flight.output
         last_seen = None
         try:
@@ -217,18 +277,18 @@ class _Served:
                     return Response(status_code=499)
                 output.on_event(event)
                 if isinstance(event, TokenEvent):
-                    last_seen = self._observe_token(arrived, last_seen)
+                    last_seen = self._observe_token(flight, arrived, last_seen)
         finally:
             flight.close()
         completion = output.completion()
         if completion.finish_reason == "error":
             raise APIError(500, f"generation failed: {completion.error}", type="server_error")
-        return JSONResponse(shape.whole(completion))
+        return JSONResponse(shape.whole(completion), headers=headers)
 
-    def _observe_token(self, arrived: float, last: Optional[float]) -> float:
+    def _observe_token(self, flight: "_Flight", arrived: float, last: Optional[float]) -> float:
         now = time.perf_counter()
         if last is None:
-            self.metrics.ttft.observe(now - arrived)
+            self.metrics.first_token(now - arrived, flight.estimated_s)
         else:
             self.metrics.itl.observe(now - last)
         return now
@@ -239,10 +299,12 @@ class _Flight:
     that cancels the request (freeing its KV and its slot) the moment the client leaves, whether tokens are
     flowing or not, streamed or not, even before a streamed response started."""
 
-    def __init__(self, served: _Served, request: Request, output: RequestOutput, events: asyncio.Queue):
+    def __init__(self, served: _Served, request: Request, output: RequestOutput, events: asyncio.Queue,
+                 estimated_s: Optional[float] = None):
         self.served = served
         self.output = output
         self.events = events
+        self.estimated_s = estimated_s  # the TTFT estimated at admission, from the handler's arrival
         self._closed = False
         self._watch = asyncio.create_task(self._watch_client(request))
 

@@ -9,8 +9,10 @@ class APIError(Exception):
     """A request the server refuses; `status` is the HTTP status, the rest fills OpenAI's error object."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002 (OpenAI's name)
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):
         super().__init__(message)
+        self.headers = headers  # sent with the error (a 429's Retry-After)
         self.status = status
         self.message = message
         self.type = type

@@ -3,11 +3,15 @@
 Latencies are taken where the client sees them: TTFT from the moment the request reached its handler to the
 moment its first token chunk was handed to the socket; inter-token latency between consecutive token chunks.
 Queue time and prefill tokens come from the scheduler's record of the request. Gauges are read at scrape time.
+
+The TTFT estimate (runtime/ttft_estimate.py) is recorded next to the TTFT it predicted, for every request that
+was admitted: `ttftc_estimated_time_to_first_token_seconds` beside `ttftc_time_to_first_token_seconds`, and the
+relative error (estimated - actual) / actual, signed (a negative error is a promise broken) and absolute.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 (re-exported for the app)
@@ -15,11 +19,15 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_ERROR_BUCKETS = (-0.9, -0.75, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
+_ABS_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 4.0)
 
 
 class ServerMetrics:
     def __init__(self, *, running: Callable[[], float], waiting: Callable[[], float],
-                 prefix_cache_bytes: Callable[[], float], kv_tokens: Callable[[], float]):
+                 prefix_cache_bytes: Callable[[], float], kv_tokens: Callable[[], float],
+                 pinned_tokens: Callable[[], float] = lambda: 0, pinned_prompts: Callable[[], float] = lambda: 0,
+                 cost_terms: Optional[Callable[[], dict]] = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("ttftc_time_to_first_token_seconds", "Handler arrival to first token chunk sent",
@@ -42,6 +50,25 @@ class ServerMetrics:
         Gauge("ttftc_prefix_cache_bytes", "Bytes of KV held by the prefix cache",
               registry=r).set_function(prefix_cache_bytes)
         Gauge("ttftc_kv_tokens", "Tokens of KV held by requests in flight", registry=r).set_function(kv_tokens)
+        self.estimated_ttft = Histogram("ttftc_estimated_time_to_first_token_seconds",
+                                        "TTFT estimated at admission, of requests admitted", buckets=_LATENCY_BUCKETS,
+                                        registry=r)
+        self.estimate_error = Histogram("ttftc_ttft_estimate_relative_error",
+                                        "(estimated - actual) / actual TTFT", buckets=_ERROR_BUCKETS, registry=r)
+        self.estimate_abs_error = Histogram("ttftc_ttft_estimate_abs_relative_error",
+                                            "|estimated - actual| / actual TTFT", buckets=_ABS_ERROR_BUCKETS,
+                                            registry=r)
+        self.shed = Counter("ttftc_requests_shed", "Requests refused with 429 because their estimated TTFT missed "
+                            "the SLO, by whether their priority is shed first", ["priority_class"], registry=r)
+        Gauge("ttftc_prefix_cache_pinned_tokens", "Prompt tokens pinned in the prefix cache (warm prompts)",
+              registry=r).set_function(pinned_tokens)
+        Gauge("ttftc_prefix_cache_pinned_prompts", "Prompts pinned in the prefix cache (warm prompts)",
+              registry=r).set_function(pinned_prompts)
+        if cost_terms is not None:
+            cost = Gauge("ttftc_cost_model", "The TTFT cost model's fit: seconds per prefill forward, token, token x "
+                         "context token; per decode step and row", ["term"], registry=r)
+            for term in ("forward_s", "token_s", "attend_s", "step_s", "row_s"):
+                cost.labels(term).set_function(lambda term=term: cost_terms()[term])
 
     def finished(self, completion) -> None:
         """Record what the scheduler measured for one request that ran."""
@@ -51,6 +78,15 @@ class ServerMetrics:
             self.queue_time.observe(completion.queue_s)
             self.prefill_computed.observe(completion.prompt_tokens - completion.cached_tokens)
             self.prefill_cached.observe(completion.cached_tokens)
+
+    def first_token(self, actual_s: float, estimated_s: Optional[float]) -> None:
+        self.ttft.observe(actual_s)
+        if estimated_s is None or actual_s <= 0:
+            return
+        self.estimated_ttft.observe(estimated_s)
+        error = (estimated_s - actual_s) / actual_s
+        self.estimate_error.observe(error)
+        self.estimate_abs_error.observe(abs(error))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

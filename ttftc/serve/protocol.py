@@ -48,7 +48,7 @@ class GenerationRequest:
     params: GenerationParams
     stream: bool
     include_usage: bool
-    priority: int = 0
+    priority: Optional[int] = None  # None: the request named none (the tenant's default, else 0, applies)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -154,10 +154,10 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, include
 
 
-def _priority(body: dict) -> int:
+def _priority(body: dict) -> Optional[int]:
     priority = body.get("priority")
     try:
-        return 0 if priority is None else checked_priority(priority)
+        return None if priority is None else checked_priority(priority)
     except ParamError as exc:
         raise bad_request(str(exc), param=exc.param) from None
 
