@@ -98,3 +98,43 @@ def test_serve_and_llm_step_defaults_agree():
     assert serve.DEFAULT_STEP_TOKENS == llm.DEFAULT_STEP_TOKENS
     assert serve.DEFAULT_CHUNK_TOKENS == llm.DEFAULT_CHUNK_TOKENS
     assert serve.DEFAULT_BUCKETS_TEXT == ",".join(map(str, llm.SERVING_BUCKETS))
+
+
+@pytest.fixture(scope="module")
+def two_servers():
+    """One engine behind two servers: one refusing everything past a 1 ms TTFT SLO, one with no SLO."""
+    from ttftc.serve.policy import ServingPolicy
+
+    llm = ttftc.LLM("tiny", buckets=None, precision="fp32", compile_kv_path=False)
+    strict = BackgroundServer(create_app(llm, policy=ServingPolicy(slo_ttft_ms=1.0, slo_margin=0.0))).start()
+    open_ = BackgroundServer(create_app(llm)).start()
+    yield strict.url, open_.url
+    strict.stop()
+    open_.stop()
+    llm.close(drain_timeout_s=5)
+
+
+def test_compare_reports_429s_apart_from_errors_and_goodput_with_and_without_the_slo(two_servers, tmp_path, capsys):
+    strict, open_ = two_servers
+    path = tmp_path / "compare.json"
+    md = tmp_path / "compare.md"
+    status = main(["loadtest", strict, "--compare", open_, "--rate", "20", "--duration", "1", "--prompt-len", "16",
+                   "--max-tokens", "2", "--seed", "4", "--json", str(path), "--md", str(md)])
+    assert status == 0
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "ttftc-loadtest-compare/1"
+    refused, served = (run["summary"] for run in doc["runs"])
+    assert [r["scheduled_s"] for r in doc["runs"][0]["requests"]] == [
+        r["scheduled_s"] for r in doc["runs"][1]["requests"]], "the same arrivals against both"
+    assert refused["requests"] >= 5 and refused["rejected"] == refused["requests"]
+    assert refused["errors"] == 0 and refused["completed"] == 0 and refused["goodput_rps"] == 0
+    assert refused["rejected_ms"]["n"] == refused["rejected"] and refused["rejected_ms"]["p50"] > 0
+    assert refused["retry_after_s_mean"] >= 1
+    assert all(r["estimated_ttft_ms"] > 1.0 for r in doc["runs"][0]["requests"]), "each 429 carries its estimate"
+    assert served["rejected"] == 0 and served["completed"] == served["requests"] == refused["requests"]
+    assert served["goodput_rps"] > 0
+    estimate = served["estimate"]
+    assert estimate["n"] == served["completed"] and 0 <= estimate["abs_rel_error_p50"] < math.inf
+    out = capsys.readouterr().out
+    assert f"| rejected (429) | {refused['rejected']} | 0 |" in out and "rejected (429)" in md.read_text()
+    assert main(["loadtest", strict, "--compare", open_, "--rate", "1", "--duration", "1", "--plot", "x.png"]) == 2

@@ -69,6 +69,10 @@ def add_parser(subparsers) -> None:
                    help="an HTTP header for every request, e.g. X-Tenant:acme (repeatable)")
     p.add_argument("--seed", type=_non_negative, default=0, help="seed of arrivals and prompts (default 0)")
     p.add_argument("--request-timeout", type=seconds, default=300.0, help="seconds per request (default 300)")
+    p.add_argument("--compare", metavar="URL2",
+                   help="then run the same load (same seed: the same arrivals and prompts) against URL2 and report "
+                   "the two side by side, e.g. a server with --slo-ttft-ms against one without; --json then holds "
+                   "both runs")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--md", metavar="PATH", help="write the report as Markdown")
     p.add_argument("--plot", metavar="PATH.png", help="write TTFT over time and the latency CDF as a PNG")
@@ -77,6 +81,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     import asyncio
+    import dataclasses
     import sys
 
     from ttftc.commands import UsageError
@@ -91,8 +96,11 @@ def run(args) -> int:
         missing = plot_available()
         if missing:
             raise UsageError(missing)
-    if not args.url.startswith(("http://", "https://")):
-        raise UsageError(f"URL {args.url!r} must start with http:// or https://")
+    for url in (args.url, args.compare):
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise UsageError(f"URL {url!r} must start with http:// or https://")
+    if args.compare and args.plot:
+        raise UsageError("--plot draws one run; leave it out with --compare (or run each URL on its own)")
     try:
         spec = LoadSpec(url=args.url, rate=args.rate, duration_s=args.duration, prompt_len=args.prompt_len,
                         shared_prefix=args.shared_prefix, max_tokens=args.max_tokens, concurrency=args.concurrency,
@@ -101,14 +109,23 @@ def run(args) -> int:
                         headers=tuple(args.header), seed=args.seed, request_timeout_s=args.request_timeout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    try:
-        doc = asyncio.run(run_load(spec))
-    except Exception as exc:  # the server is down, or lists no such model
-        raise UsageError(f"{args.url}: {type(exc).__name__}: {exc}") from None
-    print("\n".join(report.summary_lines(doc)))
-    outputs = ((args.json, report.write_json), (args.md, report.write_markdown), (args.plot, report.write_plot))
+    docs = []
+    for url in (args.url,) + ((args.compare,) if args.compare else ()):
+        try:
+            docs.append(asyncio.run(run_load(dataclasses.replace(spec, url=url))))
+        except Exception as exc:  # the server is down, or lists no such model
+            raise UsageError(f"{url}: {type(exc).__name__}: {exc}") from None
+        print("\n".join(report.summary_lines(docs[-1])))
+    if len(docs) == 2:
+        print("\n".join(report.comparison_lines(*docs)))
+        combined = {"schema": "ttftc-loadtest-compare/1", "runs": docs}
+        outputs = ((args.json, lambda _, path: report.write_json(combined, path)),
+                   (args.md, lambda _, path: report.write_comparison_markdown(docs, path)))
+    else:
+        outputs = ((args.json, report.write_json), (args.md, report.write_markdown), (args.plot, report.write_plot))
     for path, write in outputs:
         if path:
-            write(doc, path)
+            write(docs[0], path)
             print(f"wrote {path}", file=sys.stderr)
-    return 0 if doc["summary"]["completed"] else 1
+    # a server that answered (served or refused with 429) was measured; one that answered nothing was not
+    return 0 if all(doc["summary"]["completed"] + doc["summary"]["rejected"] for doc in docs) else 1

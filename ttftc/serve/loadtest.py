@@ -17,6 +17,14 @@ waits, and that wait counts in its TTFT.
 Timing. TTFT runs from a request's scheduled arrival to the first streamed chunk that carries a token;
 inter-token latency is the gap between consecutive token chunks; goodput is the rate of requests that completed
 within `--slo-ttft-ms`. Every request has a timeout and the run has a deadline, so a stuck server cannot hang it.
+
+Admission control. A server with an SLO (`ttftc serve --slo-ttft-ms`) answers some requests with 429 at once: they
+are counted apart from errors ("rejected"), with the latency of the refusal and the Retry-After they got, and they
+count against goodput (a request refused is a request not served within the SLO). The TTFT estimate a ttftc server
+sends with each response (`x-ttftc-estimated-ttft-ms`) is compared with the TTFT this client measured from the
+moment it sent the request (the server's estimate starts there too): the report gives the median absolute
+relative error. `--compare URL2` runs the same load (same seed: the same arrivals and prompts) against a second
+server afterwards, e.g. one started with an SLO and one without, and reports the two side by side.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from ttftc.stats import percentile
+
+ESTIMATE_HEADER = "x-ttftc-estimated-ttft-ms"  # ttftc.serve.app.ESTIMATE_HEADER: a client reads it off the wire
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,9 @@ class RequestResult:
     output_tokens: int = 0
     cached_tokens: Optional[int] = None
     error: Optional[str] = None
+    rejected: bool = False  # answered 429 (admission control); its latency is end_s - scheduled_s
+    retry_after_s: Optional[float] = None
+    estimated_ttft_ms: Optional[float] = None  # the server's estimate (header), from when the request was sent
 
     @property
     def ttft_s(self) -> Optional[float]:
@@ -87,33 +100,56 @@ class RequestResult:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.first_token_s is not None
+        return self.error is None and not self.rejected and self.first_token_s is not None
+
+    @property
+    def estimate_error(self) -> Optional[float]:
+        """(estimated - measured) / measured TTFT, both from the moment the request was sent."""
+        if self.estimated_ttft_ms is None or not self.ok or self.sent_s is None:
+            return None
+        measured_ms = (self.first_token_s - self.sent_s) * 1e3
+        return (self.estimated_ttft_ms - measured_ms) / measured_ms if measured_ms > 0 else None
 
 
 def _prompt(rng: random.Random, shared: list[int], length: int, vocab: int) -> list[int]:
     return shared + [rng.randrange(vocab) for _ in range(length - len(shared))]
 
 
+def _header_number(headers, name: str) -> Optional[float]:
+    try:
+        value = float(headers.get(name))
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 async def _one(client, model: str, spec: LoadSpec, result: RequestResult, prompt: list[int], start: float,
                headers: dict) -> None:
+    import openai
+
     result.sent_s = time.perf_counter() - start
     try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=spec.max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, extra_headers=headers,
-            timeout=spec.request_timeout_s)
-        async for chunk in stream:
-            now = time.perf_counter() - start
-            if chunk.usage is not None:
-                details = chunk.usage.prompt_tokens_details
-                result.cached_tokens = getattr(details, "cached_tokens", None) if details is not None else None
-            for choice in chunk.choices:
-                ids = (choice.model_extra or {}).get("token_ids") or []
-                if choice.text or ids:
-                    if result.first_token_s is None:
-                        result.first_token_s = now
-                    result.token_times_s.append(now)
-                    result.output_tokens += max(1, len(ids))
+        async with client.completions.with_streaming_response.create(
+                model=model, prompt=prompt, max_tokens=spec.max_tokens, temperature=0.0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, extra_headers=headers,
+                timeout=spec.request_timeout_s) as response:
+            result.estimated_ttft_ms = _header_number(response.headers, ESTIMATE_HEADER)
+            async for chunk in await response.parse():
+                now = time.perf_counter() - start
+                if chunk.usage is not None:
+                    details = chunk.usage.prompt_tokens_details
+                    result.cached_tokens = getattr(details, "cached_tokens", None) if details is not None else None
+                for choice in chunk.choices:
+                    ids = (choice.model_extra or {}).get("token_ids") or []
+                    if choice.text or ids:
+                        if result.first_token_s is None:
+                            result.first_token_s = now
+                        result.token_times_s.append(now)
+                        result.output_tokens += max(1, len(ids))
+    except openai.RateLimitError as exc:  # refused by admission control: a result of its own, not an error
+        result.rejected = True
+        result.retry_after_s = _header_number(exc.response.headers, "retry-after")
+        result.estimated_ttft_ms = _header_number(exc.response.headers, ESTIMATE_HEADER)
     except Exception as exc:  # a failed request is a result, not a crash of the run
         result.error = f"{type(exc).__name__}: {exc}"[:300]
     result.end_s = time.perf_counter() - start
@@ -228,6 +264,10 @@ def _stats_ms(values_s: list[float]) -> dict:
             "mean": sum(ms) / len(ms), "max": max(ms)}
 
 
+def _mean(values: list[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
 def summarize(spec: LoadSpec, model: str, results: list[RequestResult], wall_s: float) -> dict:
     short = [r for r in results if r.kind == "short"]
     ok = [r for r in short if r.ok]
@@ -237,6 +277,8 @@ def summarize(spec: LoadSpec, model: str, results: list[RequestResult], wall_s: 
     span = max([spec.duration_s] + [r.end_s for r in results if r.end_s is not None]) if not math.isinf(
         spec.rate) else wall_s
     good = [r for r in ok if r.ttft_s * 1e3 <= spec.slo_ttft_ms]
+    rejected = [r for r in short if r.rejected]
+    errors = [r.estimate_error for r in short if r.estimate_error is not None]
     longs = [r for r in results if r.kind == "long"]
     settings = asdict(spec)
     settings["rate"] = "inf" if math.isinf(spec.rate) else spec.rate
@@ -249,7 +291,10 @@ def summarize(spec: LoadSpec, model: str, results: list[RequestResult], wall_s: 
         "summary": {
             "requests": len(short),
             "completed": len(ok),
-            "errors": len(short) - len(ok),
+            "errors": len(short) - len(ok) - len(rejected),
+            "rejected": len(rejected),
+            "rejected_ms": _stats_ms([r.end_s - r.scheduled_s for r in rejected if r.end_s is not None]),
+            "retry_after_s_mean": _mean([r.retry_after_s for r in rejected if r.retry_after_s is not None]),
             "wall_s": wall_s,
             "throughput_rps": len(ok) / span if span > 0 else None,
             "output_tokens_per_s": sum(r.output_tokens for r in ok) / span if span > 0 else None,
@@ -259,6 +304,12 @@ def summarize(spec: LoadSpec, model: str, results: list[RequestResult], wall_s: 
             "itl_ms": _stats_ms(gaps),
             "e2e_ms": _stats_ms(e2e),
             "cached_tokens_mean": (sum(r.cached_tokens or 0 for r in ok) / len(ok)) if ok else None,
+            "estimate": {
+                "n": len(errors),
+                "abs_rel_error_p50": percentile([abs(e) for e in errors], 50) if errors else None,
+                "abs_rel_error_p95": percentile([abs(e) for e in errors], 95) if errors else None,
+                "rel_error_p50": percentile(errors, 50) if errors else None,
+            },
         },
         "long": [{"prompt_tokens": r.prompt_tokens, "scheduled_s": r.scheduled_s,
                   "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1e3, "error": r.error} for r in longs],
@@ -266,7 +317,8 @@ def summarize(spec: LoadSpec, model: str, results: list[RequestResult], wall_s: 
         "requests": [
             {"index": r.index, "kind": r.kind, "scheduled_s": r.scheduled_s, "sent_s": r.sent_s,
              "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1e3, "end_s": r.end_s,
-             "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens, "error": r.error}
+             "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens, "error": r.error,
+             "rejected": r.rejected, "retry_after_s": r.retry_after_s, "estimated_ttft_ms": r.estimated_ttft_ms}
             for r in results
         ],
     }

@@ -24,18 +24,57 @@ def summary_lines(doc: dict) -> list[str]:
     lines = [
         f"model {doc['model']}: rate {cfg['rate']}/s for {cfg['duration_s']} s, prompts {cfg['prompt_len']} tokens "
         f"({cfg['shared_prefix']} shared), {cfg['max_tokens']} generated, concurrency {cfg['concurrency']}",
-        f"requests {s['requests']}, completed {s['completed']}, errors {s['errors']}",
+        f"requests {s['requests']}, completed {s['completed']}, errors {s['errors']}, rejected (429) "
+        f"{s.get('rejected', 0)}" + _rejected_text(s),
         f"TTFT ms      p50 {_ms(t['p50'])}  p95 {_ms(t['p95'])}  p99 {_ms(t['p99'])}  mean {_ms(t['mean'])}",
         f"ITL ms       p50 {_ms(i['p50'])}  p95 {_ms(i['p95'])}  p99 {_ms(i['p99'])}",
         f"throughput   {_rate(s['throughput_rps'])} req/s, {_rate(s['output_tokens_per_s'])} tokens/s",
         f"goodput      {_rate(s['goodput_rps'])} req/s within TTFT <= {cfg['slo_ttft_ms']:.0f} ms "
         f"({attained} of requests)",
     ]
+    estimate = s.get("estimate") or {}
+    if estimate.get("n"):
+        lines.append(f"estimate     TTFT estimated by the server: |relative error| p50 "
+                     f"{estimate['abs_rel_error_p50']:.0%}, p95 {estimate['abs_rel_error_p95']:.0%} "
+                     f"(signed p50 {estimate['rel_error_p50']:+.0%}, {estimate['n']} requests)")
     for long in doc["long"]:
         lines.append(f"long prompt  {long['prompt_tokens']} tokens: TTFT {_ms(long['ttft_ms'])} ms"
                      + (f" ({long['error']})" if long["error"] else ""))
     for error in doc["first_errors"]:
         lines.append(f"error: {error}")
+    return lines
+
+
+def _rejected_text(s: dict) -> str:
+    rejected = s.get("rejected_ms") or {}
+    if not rejected.get("n"):
+        return ""
+    retry = s.get("retry_after_s_mean")
+    return (f" answered in p50 {_ms(rejected['p50'])} / p95 {_ms(rejected['p95'])} ms"
+            + ("" if retry is None else f", Retry-After {retry:.1f} s on average"))
+
+
+_COMPARED = (
+    ("requests", lambda s: str(s["requests"])),
+    ("completed", lambda s: str(s["completed"])),
+    ("rejected (429)", lambda s: str(s.get("rejected", 0))),
+    ("errors", lambda s: str(s["errors"])),
+    ("goodput req/s", lambda s: _rate(s["goodput_rps"])),
+    ("SLO attainment", lambda s: "-" if s["slo_attainment"] is None else f"{s['slo_attainment']:.0%}"),
+    ("TTFT p50 ms", lambda s: _ms(s["ttft_ms"]["p50"])),
+    ("TTFT p95 ms", lambda s: _ms(s["ttft_ms"]["p95"])),
+    ("429 latency p50 ms", lambda s: _ms((s.get("rejected_ms") or {}).get("p50"))),
+    ("estimate |rel err| p50", lambda s: "-" if not (s.get("estimate") or {}).get("n")
+     else f"{s['estimate']['abs_rel_error_p50']:.0%}"),
+)
+
+
+def comparison_lines(first: dict, second: dict) -> list[str]:
+    """The same load against two servers, side by side (a Markdown table)."""
+    a, b = first["settings"]["url"], second["settings"]["url"]
+    lines = [f"| same load | {a} | {b} |", "| --- | --- | --- |"]
+    for name, value in _COMPARED:
+        lines.append(f"| {name} | {value(first['summary'])} | {value(second['summary'])} |")
     return lines
 
 
@@ -58,7 +97,8 @@ def markdown(doc: dict) -> str:
         f"concurrency {cfg['concurrency']}",
         f"- prompts of {cfg['prompt_len']} tokens ({cfg['shared_prefix']} shared), {cfg['max_tokens']} tokens "
         f"generated each" + _long_text(cfg),
-        f"- requests {s['requests']}, completed {s['completed']}, errors {s['errors']}",
+        f"- requests {s['requests']}, completed {s['completed']}, errors {s['errors']}, rejected (429) "
+        f"{s.get('rejected', 0)}" + _rejected_text(s),
         f"- throughput {_rate(s['throughput_rps'])} req/s, {_rate(s['output_tokens_per_s'])} tokens/s; goodput "
         f"{_rate(s['goodput_rps'])} req/s under TTFT <= {cfg['slo_ttft_ms']:.0f} ms",
         "",
@@ -75,6 +115,11 @@ def markdown(doc: dict) -> str:
 
 def write_markdown(doc: dict, path: str) -> None:
     write_atomically(path, markdown(doc).encode())
+
+
+def write_comparison_markdown(docs: list[dict], path: str) -> None:
+    text = "\n".join(["# ttftc loadtest: the same load against two servers", ""] + comparison_lines(*docs)) + "\n"
+    write_atomically(path, (text + "".join("\n" + markdown(doc) for doc in docs)).encode())
 
 
 def write_plot(doc: dict, path: str) -> None:
