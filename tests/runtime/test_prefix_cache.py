@@ -689,3 +689,58 @@ def test_check_invariants_counts_every_live_lease_on_a_shared_block():
     second.release()
     cache.check_invariants([first])
     first.release()
+
+
+# ---- pinning ---------------------------------------------------------------------------------------------------
+
+
+def test_pinned_blocks_count_against_the_budget_and_are_never_evicted():
+    cache = PrefixCache(6 * BLOCK_BYTES, block_size=BS)
+    warm = list(range(100, 109))  # two full blocks and a partial one
+    insert(cache, warm, "acme").release()
+    pin = cache.pin(warm, tenant="acme")
+    stats = cache.stats()
+    assert (stats.pinned_prompts, stats.pinned_blocks, stats.pinned_tokens, stats.pinned_bytes) == (
+        1, 2, 8, 2 * BLOCK_BYTES)
+    # Traffic of another tenant, four times the budget: LRU takes its own blocks, never the pinned ones.
+    for k in range(6):
+        insert(cache, [k] * 16, "other").release()
+    assert cache.stats().blocks_held == 6 and cache.cached_tokens(warm, tenant="acme") == 8
+    assert cache.evict(cache.budget_bytes) == 4 * BLOCK_BYTES and cache.clear() == 0
+    lease = cache.match(warm, tenant="acme")
+    assert lease.num_tokens == 8 and served_correctly(lease, warm, "acme")
+    cache.check_invariants([lease])  # the pins' own references are the cache's: counted without being passed
+    lease.release()
+    cache.unpin(pin)
+    assert cache.stats().pinned_blocks == 0 and cache.clear() == 2 * BLOCK_BYTES
+    with pytest.raises(ValueError, match="not a pin of this cache"):
+        cache.unpin(pin)
+
+
+def test_prompts_sharing_a_prefix_pin_its_blocks_once():
+    cache = PrefixCache(1 << 20, block_size=BS)
+    system = list(range(8))
+    first, second = system + [50, 51, 52, 53], system + [60, 61, 62, 63]
+    for tokens in (first, second):
+        insert(cache, tokens, "acme").release()
+    pins = [cache.pin(tokens, tenant="acme") for tokens in (first, second)]
+    assert (cache.stats().pinned_prompts, cache.stats().pinned_blocks) == (2, 4)  # 2 shared + 1 + 1
+    cache.unpin(pins[0])
+    assert cache.stats().pinned_blocks == 3, "the shared blocks stay pinned by the other prompt"
+    cache.check_invariants([])
+
+
+def test_a_prompt_not_wholly_cached_is_not_pinned_at_all():
+    cache = PrefixCache(2 * BLOCK_BYTES, block_size=BS)
+    tokens = list(range(12))
+    lease = insert(cache, tokens, "acme")  # the budget holds two of its three blocks
+    assert lease.num_tokens == 8
+    lease.release()
+    with pytest.raises(ValueError, match="only 2 of the prompt's 3 full blocks are cached"):
+        cache.pin(tokens, tenant="acme")
+    assert cache.stats().pinned_blocks == 0 and cache.clear() == 2 * BLOCK_BYTES
+    with pytest.raises(ValueError, match="private"):
+        cache.pin(tokens, tenant=PRIVATE)
+    with pytest.raises(ValueError, match="no full block"):
+        cache.pin([1, 2], tenant="acme")
+    cache.check_invariants([])

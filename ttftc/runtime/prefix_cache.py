@@ -27,6 +27,11 @@ with references is never evicted. Unreferenced leaves are evicted least recently
 room, so a chain shrinks from its tail and a prefix is never orphaned. Releasing a lease twice raises
 `LeaseReleasedError`; it never decrements twice.
 
+Pinning: `pin(tokens, tenant=...)` holds every full block of a prompt already in the cache for as long as the
+cache lives (or until `unpin`): a pin is a lease the cache keeps itself, so its blocks count against the budget and
+are never evicted, and a prompt whose blocks are not all cached (the budget ran out while it was inserted) is
+refused with a ValueError and nothing pinned. `ttftc serve --warm-prompts` pins the prompts it prefills at startup.
+
 Thread safety: one lock guards the tree. `insert` builds the payloads of the blocks it is missing outside the lock
 (copying KV is the slow part), then re-walks the tree under the lock and keeps whatever another thread inserted
 meanwhile, so a race costs a wasted copy, never a duplicate or a torn chain.
@@ -96,6 +101,13 @@ class PrefixCacheStats:
     bytes_held: int
     budget_bytes: int
     block_size: int
+    pinned_prompts: int = 0
+    pinned_blocks: int = 0  # distinct blocks held by pins (prompts sharing a prefix share its blocks)
+    pinned_bytes: int = 0
+
+    @property
+    def pinned_tokens(self) -> int:
+        return self.pinned_blocks * self.block_size
 
     @property
     def hit_rate(self) -> float:
@@ -103,7 +115,7 @@ class PrefixCacheStats:
 
 
 class _Node:
-    __slots__ = ("key", "payload", "nbytes", "parent", "children", "refs", "last_access")
+    __slots__ = ("key", "payload", "nbytes", "parent", "children", "refs", "last_access", "pins")
 
     def __init__(self, key: tuple[int, ...], payload: Optional[BlockPayload], nbytes: int,
                  parent: Optional["_Node"]):
@@ -114,6 +126,7 @@ class _Node:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.refs = 0
         self.last_access = 0
+        self.pins = 0
 
 
 class CacheLease:
@@ -179,6 +192,8 @@ class PrefixCache:
         self._queries = self._query_tokens = self._hit_tokens = 0
         self._inserted = self._evicted = 0
         self._blocks_held = self._bytes_held = 0
+        self._pins: list[CacheLease] = []
+        self._pinned_blocks = self._pinned_bytes = 0
         if block_bytes is not None:
             self._set_block_bytes(block_bytes)
 
@@ -270,6 +285,45 @@ class PrefixCache:
         keys = self._block_keys(tokens, None)
         with self._lock:
             return len(self._walk(namespace, keys)) * self.block_size
+
+    # ---- pinning ------------------------------------------------------------------------------------------------
+
+    def pin(self, tokens: Sequence[int], *, tenant: Tenant = None) -> CacheLease:
+        """Pin every full block of `tokens`, which must all be cached (in `tenant`'s namespace) already; returns
+        the pin, for `unpin`. A ValueError, and nothing pinned, when a block is missing or the namespace is private."""
+        namespace = _namespace(tenant, self.shared_default)
+        if namespace is _NO_TREE:
+            raise ValueError(f"tenant {tenant!r} is private: a block pinned there could never be found")
+        keys = self._block_keys(tokens, None)
+        if not keys:
+            raise ValueError(f"a prompt of {len(tokens)} tokens has no full block of {self.block_size} to pin")
+        with self._lock:
+            chain = self._walk(namespace, keys)
+            if len(chain) < len(keys):
+                raise ValueError(f"only {len(chain)} of the prompt's {len(keys)} full blocks are cached (the budget of "
+                                 f"{self.budget_bytes} bytes ran out, or they were never inserted); nothing pinned")
+            self._acquire(chain)
+            lease = CacheLease(self, chain, tenant)
+            for node in chain:
+                node.pins += 1
+                if node.pins == 1:
+                    self._pinned_blocks += 1
+                    self._pinned_bytes += node.nbytes
+            self._pins.append(lease)
+            return lease
+
+    def unpin(self, lease: CacheLease) -> None:
+        """Undo one `pin`: its blocks become ordinary cached blocks (evictable once nothing else holds them)."""
+        with self._lock:
+            if not any(lease is pin for pin in self._pins):
+                raise ValueError("this lease is not a pin of this cache (or was unpinned already)")
+            self._pins = [pin for pin in self._pins if pin is not lease]
+            for node in lease._nodes:
+                node.pins -= 1
+                if node.pins == 0:
+                    self._pinned_blocks -= 1
+                    self._pinned_bytes -= node.nbytes
+            self._release(lease, strict=True)
 
     # ---- insertion ----------------------------------------------------------------------------------------------
 
@@ -425,6 +479,7 @@ class PrefixCache:
                 queries=self._queries, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                 inserted_blocks=self._inserted, evicted_blocks=self._evicted, blocks_held=self._blocks_held,
                 bytes_held=self._bytes_held, budget_bytes=self.budget_bytes, block_size=self.block_size,
+                pinned_prompts=len(self._pins), pinned_blocks=self._pinned_blocks, pinned_bytes=self._pinned_bytes,
             )
 
     def check_invariants(self, live_leases: Sequence[CacheLease] = ()) -> None:
@@ -434,11 +489,12 @@ class PrefixCache:
         """
         with self._lock:
             expected_refs: dict[int, int] = {}
+            live_leases = list(live_leases) + (self._pins if live_leases else [])  # the cache's own leases
             for lease in live_leases:
                 if not lease.released:
                     for node in lease._nodes:
                         expected_refs[id(node)] = expected_refs.get(id(node), 0) + 1
-            blocks = nbytes = 0
+            blocks = nbytes = pinned = 0
             for root in self._roots.values():
                 assert root.payload is None and root.refs == 0
                 stack = list(root.children.values())
@@ -453,9 +509,11 @@ class PrefixCache:
                     assert all(child.refs <= node.refs for child in node.children.values())
                     blocks += 1
                     nbytes += node.nbytes
+                    pinned += node.pins > 0
                     stack.extend(node.children.values())
             assert blocks == self._blocks_held, (blocks, self._blocks_held)
             assert nbytes == self._bytes_held, (nbytes, self._bytes_held)
+            assert pinned == self._pinned_blocks, (pinned, self._pinned_blocks)
             assert self._bytes_held <= self.budget_bytes, (self._bytes_held, self.budget_bytes)
             for lease in live_leases:
                 if not lease.released:
