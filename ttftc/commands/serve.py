@@ -117,6 +117,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--shed-priority-above", type=_int, default=0, metavar="P",
                    help="with --slo-ttft-ms: requests of a priority above P (less important) are shed first "
                    "(default 0)")
+    p.add_argument("--warm-prompts", metavar="FILE",
+                   help='JSON lines {"prompt": text or [token ids], "tenant": name}: each is prefilled into the prefix '
+                   "cache and pinned there (never evicted; counted against --prefix-cache-mb) before the server "
+                   "reports ready, so the first request of that tenant starting with it is served from the cache "
+                   "(needs --tenant-header)")
     p.add_argument("--no-report-cached-tokens", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens as 0 (the prefix cache still works), so "
                    "the field tells a client nothing about other requests' prompts")
@@ -144,6 +149,19 @@ def run(args) -> int:
         raise UsageError(f"--tenant-priority names {repeated[0]!r} more than once; give each tenant one priority")
     if names and not args.tenant_header:
         raise UsageError("--tenant-priority needs --tenant-header NAME: without it no request names a tenant")
+    warm = []
+    if args.warm_prompts:
+        from ttftc.serve.warm import WarmPromptsError, read_warm_prompts
+
+        if not args.tenant_header:
+            raise UsageError("--warm-prompts needs --tenant-header NAME: requests without a tenant share no cache, "
+                             "so none could hit a warm prompt")
+        if args.no_prompt_cache:
+            raise UsageError("--warm-prompts needs the prefix cache; leave out --no-prompt-cache")
+        try:
+            warm = read_warm_prompts(args.warm_prompts)  # before the model loads: a bad file fails fast
+        except WarmPromptsError as exc:
+            raise UsageError(f"--warm-prompts: {exc}") from None
     policy = ServingPolicy(tenant_priorities=dict(args.tenant_priority), slo_ttft_ms=args.slo_ttft_ms,
                            slo_margin=args.slo_margin, shed_priority_above=args.shed_priority_above)
     if args.threads:
@@ -162,10 +180,17 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     for note in llm.notes:
         print(f"ttftc serve: {note}", file=sys.stderr)
+    try:
+        app = create_app(llm, tenant_header=args.tenant_header, report_cached_tokens=not args.no_report_cached_tokens,
+                         policy=policy, warm=warm)
+    except ValueError as exc:  # WarmPromptsError among them: the warm prompts do not fit, or one failed
+        llm.close(drain_timeout_s=0)
+        raise UsageError(f"--warm-prompts: {exc}" if warm else str(exc)) from None
+    if warm:
+        warmed = app.state.served.warmed
+        print(f"ttftc serve: {len(warmed.pins)} warm prompts pinned ({warmed.tokens} tokens)", file=sys.stderr)
     print(f"ttftc serve: {llm.name} ready in {time.perf_counter() - started:.1f} s on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
-    app = create_app(llm, tenant_header=args.tenant_header, report_cached_tokens=not args.no_report_cached_tokens,
-                     policy=policy)
     cut_off = run_server(app, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
                          log_level=args.log_level)
     print(f"ttftc serve: stopped ({cut_off} requests cut off by the drain timeout)", file=sys.stderr)

@@ -23,6 +23,9 @@ the engine's forwards, replayed over the work queued ahead of it in priority ord
 beside the TTFT it got. The policy (serve/policy.py) sets each tenant's priority and, with an SLO, refuses at once
 (HTTP 429 in OpenAI's shape, with `Retry-After`, the seconds until the queue is estimated to drain) a request
 whose estimate misses the SLO by more than its margin.
+
+`warm_prompts` (serve/warm.py) are prefilled into the prefix cache and pinned there before `create_app` returns,
+so a server never reports healthy without them; a bad one raises WarmPromptsError and no app is made.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import json
 import logging
 import math
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +48,7 @@ from ttftc.serve import sse
 from ttftc.serve.errors import APIError, bad_request, error_body
 from ttftc.serve.metrics import CONTENT_TYPE, ServerMetrics
 from ttftc.serve.policy import ServingPolicy
+from ttftc.serve.warm import WarmPrompt, Warmed, warm_prompts
 from ttftc.serve.protocol import GenerationRequest, parse_chat, parse_completion
 from ttftc.text import NoTokenizerError
 
@@ -56,13 +60,19 @@ ESTIMATE_HEADER = "x-ttftc-estimated-ttft-ms"
 
 
 def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Optional[str] = None,
-               report_cached_tokens: bool = True, policy: Optional[ServingPolicy] = None) -> FastAPI:
+               report_cached_tokens: bool = True, policy: Optional[ServingPolicy] = None,
+               warm: Sequence[WarmPrompt] = ()) -> FastAPI:
     policy = policy if policy is not None else ServingPolicy()
     if policy.tenant_priorities and not tenant_header:
         raise ValueError("tenant priorities need a tenant header (tenant_header=..., --tenant-header NAME): without "
                          "one no request names a tenant")
+    if warm and not tenant_header:
+        raise ValueError("warm prompts need a tenant header (tenant_header=..., --tenant-header NAME): requests "
+                         "without one share no cache, so none could hit a warm prompt")
+    warmed = warm_prompts(llm, warm, require_tenant=True)
     app = FastAPI(title="ttftc", docs_url=None, redoc_url=None, openapi_url=None)
     served = _Served(llm, model_name or llm.name, tenant_header, report_cached_tokens, policy)
+    served.warmed = warmed
     app.state.served = served
 
     @app.exception_handler(APIError)
@@ -136,6 +146,7 @@ class _Served:
         self.draining = False
         self.created = int(time.time())
         self._estimate_failed = False
+        self.warmed = Warmed((), 0)
         cache = llm.prefix_cache
         stats = (lambda: cache.stats()) if cache is not None else None
         self.metrics = ServerMetrics(
