@@ -157,7 +157,7 @@ def _plan(mix):
         (lambda x: _masked_softmax(x, causal=True), "softmax over causally masked scores"),
         (lambda x: F.layer_norm(x, (16,)), None),  # a norm over the hidden axis is per token
         (lambda x: torch.cumsum(x, dim=1), None),  # a prefix sum reads only earlier positions
-        (_sdpa_with(_causal_visible), "SDPA with a causal mask (evaluated)"),
+        (_sdpa_with(_causal_visible), "SDPA with a causal mask (proven)"),
         (_sdpa_with(lambda n: torch.zeros(n, n).masked_fill(~_causal_visible(n), float("-inf"))),
          "SDPA with a causal mask"),
         (lambda x: _eager_attention(x, scores_to_probs=_softmax_where), "probabilities @ V over causal probabilities"),
@@ -187,17 +187,17 @@ def _plan(mix):
         (_softmax_of(lambda s, n: s.masked_fill(~_causal_visible(n), _AT_THRESHOLD)), "softmax over causally masked"),
         (_softmax_where_filled(lambda n: torch.tensor(_AT_THRESHOLD, dtype=torch.float64)),
          "softmax over causally masked"),
-        # a fill computed from the length hides at every length
-        (_softmax_where_filled(lambda n: torch.full((), -1e30) * n), "softmax over causally masked"),
+        # a fill that is one masking value everywhere, whatever its shape
+        (_softmax_where_filled(lambda n: torch.full((n, n), float("-inf"))), "softmax over causally masked"),
         # a causal mask, then a bias that hides nothing (a relative-position bias, say)
         (_softmax_of(lambda s, n: s.masked_fill(~_causal_visible(n), float("-inf")) + torch.zeros(n, n)),
          "softmax over causally masked"),
         (_softmax_of(lambda s, n: torch.zeros(n, n).masked_fill(~_causal_visible(n), float("-inf")) + s),
          "softmax over causally masked"),  # the mask as the first operand
         # a [batch, head, query, key] mask, as HF builds them: the query x key test reads the last two axes
-        (_sdpa_with(lambda n: _causal_visible(n)[None, None]), "1x SDPA with a causal mask (evaluated)"),
+        (_sdpa_with(lambda n: _causal_visible(n)[None, None]), "1x SDPA with a causal mask (proven)"),
         # a mask whose subgraph reaches one node twice (here the causal mask itself, by two paths)
-        (_sdpa_with(lambda n: (lambda v: v & (v | v.T))(_causal_visible(n))), "SDPA with a causal mask"),
+        (_sdpa_with(lambda n: (lambda v: v & (v | v))(_causal_visible(n))), "SDPA with a causal mask"),
         # a sliding window applied over the causal mask: not causal on its own, so the walk goes on to the
         # causal mask under it (once for each way a mask is applied)
         (_softmax_of(lambda s, n: torch.where(_window_visible(n), s.masked_fill(~_causal_visible(n), float("-inf")),
@@ -213,7 +213,7 @@ def _plan(mix):
          "hidden-reductions", "hidden-softmax", "hidden-split-cat", "empty-cat", "full-slices", "full-narrow",
          "hidden-slice",
          "hidden-index-select", "batch-unbind", "hidden-sort", "hidden-topk", "fixed-memory", "ttftc-attention", "additive-mask-at-threshold",
-         "eager-fill-at-threshold", "eager-where-tensor-at-threshold", "eager-fill-grows-with-length",
+         "eager-fill-at-threshold", "eager-where-tensor-at-threshold", "eager-where-fill-of-one-value",
          "eager-mask-then-bias", "eager-mask-first", "sdpa-4d-mask",
          "sdpa-mask-reaching-a-node-twice",
          "eager-window-where-over-causal", "eager-window-where-hidden-first-over-causal",
@@ -232,7 +232,7 @@ def test_padding_proven_safe(mix, evidence):
     [
         (_bidirectional_sdpa,
          "bidirectional attention (aten._scaled_dot_product_flash_attention_for_cpu with is_causal=False and no mask)"),
-        (lambda x: _masked_softmax(x, causal=False), "lets a query see later keys"),
+        (lambda x: _masked_softmax(x, causal=False), "is neither causal nor a sliding window"),
         (lambda x: x - x.mean(dim=1, keepdim=True), "reduces across the sequence axis"),
         (lambda x: F.layer_norm(x.transpose(1, 2), (x.shape[1],)).transpose(1, 2), "normalises across the sequence"),
         (lambda x: x[:, -1:], "slices the sequence axis"),
@@ -247,8 +247,8 @@ def test_padding_proven_safe(mix, evidence):
         (lambda x: torch.cat([torch.ones(x.shape[0], 4, 16), x], dim=1)[:, : x.shape[1]],
          "concatenates along the sequence axis"),
         (lambda x: F.embedding(_reversed(x.shape[1]), x[0])[None], "embedding table indexed by position"),
-        (_sdpa_with(lambda n: torch.ones(n, n, dtype=torch.bool).triu()), "lets a query see later keys"),
-        (_sdpa_with(lambda n: torch.ones(n, 1, dtype=torch.bool)), "is not a [query, key] mask"),
+        (_sdpa_with(lambda n: torch.ones(n, n, dtype=torch.bool).triu()), "is neither causal nor a sliding window"),
+        (_sdpa_with(lambda n: torch.ones(n, 1, dtype=torch.bool)), "lets a query see later keys"),
         (lambda x: _merge(F.scaled_dot_product_attention(_heads(x), _heads(x), _heads(x), is_causal=True,
                                                          attn_mask=_causal_visible(x.shape[1]))),
          "is_causal together with a mask is not analysed"),
@@ -273,17 +273,20 @@ def test_padding_proven_safe(mix, evidence):
         (lambda x: torch.sort(x, dim=1)[0], "sort: aten.sort reduces across the sequence axis"),
         (lambda x: _ttftc_attention(x, causal=False), "ttftc.attention with causal=False attends to later positions"),
         (_sdpa_with(lambda n: torch.arange(n)[None, :] <= torch.arange(n)[:, None] + 1),
-         "lets a query see later keys (checked at length 5)"),  # each query sees the next key
-        # only evaluable from 8 positions on: at the first probe length the mask cannot be computed
-        (_sdpa_with(lambda n: _causal_visible(n) & (torch.arange(n)[7] >= 0)), "could not be evaluated (IndexError"),
-        (_softmax_of(lambda s, n: s.masked_fill(torch.arange(n) > n, float("-inf"))), "is not a [query, key] mask"),
+         "the mask where lets a query see later keys"),  # each query sees the next key
+        # a mask reading one position of a ramp: not a form the prover follows, so not proven
+        (_sdpa_with(lambda n: _causal_visible(n) & (torch.arange(n)[7] >= 0)),
+         "is not proven causal (mask uses aten.select, which the mask prover does not know)"),
+        # compares positions with the length itself, a graph input the prover does not read
+        (_softmax_of(lambda s, n: s.masked_fill(torch.arange(n) > n, float("-inf"))), "mask depends on the runtime input"),
         (_softmax_where_filled(lambda n: torch.tensor(-1.0)), "no causal mask is applied"),  # a fill that hides nothing
-        (_softmax_where_filled(lambda n: torch.full((n, n), float("-inf"))), "no causal mask is applied"),  # not one value
+        # a fill computed from the length: not a constant the prover reads, so it hides nothing proven
+        (_softmax_where_filled(lambda n: torch.full((), -1e30) * n), "no causal mask is applied"),
         (lambda x: _eager_attention(x, scores_to_probs=lambda s, n: torch.softmax(
             torch.where(_causal_visible(n), s, s * 0), dim=-1)), "no causal mask is applied"),  # a fill from the data
-        # a fill judged at the first probe length (5), where it is 0: it hides nothing there
-        (_softmax_where_filled(lambda n: torch.full((), -1e30) * (n - 5)), "no causal mask is applied"),
-        # a fill that cannot be computed at the first probe length is not trusted
+        # a fill that hides below length 6 only (-1e30 at 5, +1e31 at 16): a check at small lengths would pass it
+        (_softmax_where_filled(lambda n: torch.full((), 1e30) * (n - 6)), "no causal mask is applied"),
+        # a fill read from one position of a ramp is not a constant the prover follows
         (_softmax_where_filled(lambda n: torch.arange(n)[7] * -1e31),
          "softmax over the sequence axis without a proven causal mask (no causal mask is applied"),
         (_softmax_of(lambda s, n: s + 1.0), "without a proven causal mask (the mask is not a tensor computed in the graph)"),
@@ -292,10 +295,10 @@ def test_padding_proven_safe(mix, evidence):
         (lambda x: _eager_attention(x, scores_to_probs=lambda s, n: torch.softmax(torch.zeros(n, n) + 1.0, dim=-1)),
          "without a proven causal mask (the mask zeros lets a query see later keys"),
         # torch.where's condition is checked, whichever operand holds the scores: here it shows the later keys
-        (_softmax_of(lambda s, n: torch.where(_causal_visible(n).T, s, float("-inf"))),
-         "without a proven causal mask (the mask permute lets a query see later keys (checked at length 5))"),
+        (_softmax_of(lambda s, n: torch.where(torch.arange(n)[None, :] >= torch.arange(n)[:, None], s, float("-inf"))),
+         "without a proven causal mask (the mask ge is not proven causal (the mask is neither causal nor a sliding"),
         (_softmax_of(lambda s, n: torch.where(_causal_visible(n), torch.tensor(float("-inf")), s)),
-         "lets a query see later keys (checked at length 5)"),  # hides the earlier keys, shows the later ones
+         "is neither causal nor a sliding window"),  # hides the earlier keys, shows the later ones
         # reductions whose dim is None or empty reduce every axis, the sequence axis too
         (lambda x: x - x.var(), "var: aten.var reduces across the sequence axis"),
         (lambda x: x[:, :-1], "slices the sequence axis (0:-1:1)"),  # an end counted from the back moves with padding
@@ -319,8 +322,8 @@ def test_padding_proven_safe(mix, evidence):
          "mask-fill-not-hidden", "scores-scaled-by-data", "sequence-matmul", "full-sum", "sequence-sum",
          "sequence-amax", "shifted-slice", "strided-slice", "first-position", "sequence-split",
          "sequence-split-with-sizes", "sequence-sort", "ttftc-bidirectional",
-         "mask-sees-next-key", "mask-not-evaluable", "key-only-mask", "where-fill-not-hidden", "where-fill-not-one-value",
-         "where-fill-from-data", "where-fill-zero-at-first-probe", "where-fill-not-evaluable", "scores-plus-constant",
+         "mask-sees-next-key", "mask-not-proven", "key-only-mask", "where-fill-not-hidden", "where-fill-grows-with-length",
+         "where-fill-from-data", "where-fill-hiding-at-small-lengths-only", "where-fill-not-a-constant", "scores-plus-constant",
          "scores-plus-zeros", "positions-only-scores", "where-shows-later-keys", "where-hidden-first-shows-later-keys",
          "full-var", "drop-last-position", "slice-dropped-under-a-length-guard",
          "slice-back-the-largest-bucket", "empty-dims-sum", "one-dimensional-sum", "addmm-over-the-sequence", "smoothed-probabilities"],
@@ -371,10 +374,10 @@ def test_bucket_table():
 def test_a_plan_describes_itself_and_round_trips_through_a_dict():
     plan = _plan(lambda x: _eager_attention(x, scores_to_probs=_softmax_where) + _causal_sdpa(x))
     assert plan.safe and plan.reason is None
-    assert plan.evidence == ("1x softmax over causally masked scores (evaluated)",
+    assert plan.evidence == ("1x softmax over causally masked scores (proven)",
                              "1x probabilities @ V over causal probabilities", "1x SDPA with is_causal=True")
     assert plan.describe() == (
-        "bucketing: padding proven safe; buckets [16, 32] (1x softmax over causally masked scores (evaluated); "
+        "bucketing: padding proven safe; buckets [16, 32] (1x softmax over causally masked scores (proven); "
         "1x probabilities @ V over causal probabilities; 1x SDPA with is_causal=True)")
     assert BucketPlan.from_dict(plan.to_dict()) == plan
     noted = BucketPlan(True, (16,), notes=("capped",))
@@ -485,28 +488,31 @@ def _size_placeholder(graph: fx.Graph, shape_env: ShapeEnv, name: str, traced: i
     return node
 
 
-def test_a_mask_is_evaluated_at_the_probe_length_with_every_other_size_as_traced():
-    # arange(seq) + width + a constant held by a submodule: only the sequence length takes the probe length.
-    shape_env, graph = ShapeEnv(), fx.Graph()
-    seq = _size_placeholder(graph, shape_env, "seq", 8)
-    width = _size_placeholder(graph, shape_env, "width", 3)
-    tokens = graph.placeholder("tokens")
-    tokens.meta["val"] = torch.zeros(2, dtype=torch.long)
-    root = torch.nn.Module()
-    root.inner = torch.nn.Module()
-    root.inner.register_buffer("offset", torch.tensor([100]))
-    positions = graph.call_function(torch.add, (graph.call_function(torch.arange, (seq,)), width))
-    shifted = graph.call_function(torch.add, (positions, graph.get_attr("inner.offset")))
-    read_tokens = graph.call_function(torch.add, (positions, tokens))
-    by_module = graph.call_module("inner", (positions,))
-    graph.output((shifted, read_tokens, by_module))
-    analysis = PaddingAnalysis(fx.GraphModule(root, graph), seq.meta["val"].node.expr.free_symbols, max_length=16)
-    assert analysis.evaluate(shifted, 5).tolist() == [103, 104, 105, 106, 107]
-    assert analysis.evaluate(seq, 11) == 11 and analysis.evaluate(width, 11) == 3
-    with pytest.raises(ValueError, match="^depends on graph input tokens$"):
-        analysis.evaluate(read_tokens, 5)
-    with pytest.raises(ValueError, match="^cannot evaluate call_module node inner$"):
-        analysis.evaluate(by_module, 5)
+def test_a_mask_is_proven_for_every_length_not_only_small_ones():
+    # Causal up to length 20; from 21 positions on, each query also sees the key 20 places after it.
+    def mask(n):
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        return (j <= i) | (j - i >= 20)
+
+    plan = _plan(_softmax_of(lambda s, n: s.masked_fill(~mask(n), float("-inf"))))
+    assert not plan.safe
+    assert "is not proven causal (the mask is neither causal nor a sliding window" in plan.reason, plan.reason
+
+
+@pytest.mark.parametrize("scale, safe", [(0.25, False), (2.0, True), (-2.0, False)])
+def test_a_scale_after_the_mask_counts_against_its_masking_value(scale, safe):
+    # -65504 scaled by 0.25 is -16376: that no longer hides a key; doubled it still does, negated it shows them.
+    plan = _plan(_softmax_of(lambda s, n: s.masked_fill(~_causal_visible(n), -65504.0) * scale))
+    assert plan.safe is safe, plan.reason
+    if not safe:
+        assert "no causal mask is applied" in plan.reason
+
+
+def test_a_softmax_over_the_query_axis_is_refused_even_under_a_causal_mask():
+    plan = _plan(lambda x: _eager_attention(x, scores_to_probs=lambda s, n: torch.softmax(
+        s.masked_fill(~_causal_visible(n), float("-inf")), dim=-2)))
+    assert not plan.safe
+    assert "softmax over the sequence axis, which is not the scores' last (key) axis" in plan.reason
 
 
 def _guarded_graph(guard):
@@ -596,7 +602,7 @@ def test_an_sdpa_kernel_that_names_its_mask_attn_bias_is_checked_as_with_attn_ma
     plan = _plan(_sdpa_with(mask_of_length))
     assert plan.safe == proven, plan.reason
     if proven:
-        assert plan.evidence == ("1x SDPA with a causal mask (evaluated)",)
+        assert plan.evidence == ("1x SDPA with a causal mask (proven)",)
     else:
         assert "attention mask not proven causal" in plan.reason
 

@@ -14,10 +14,11 @@ the only ops allowed to combine positions are attention ops shown to be causal:
 - a decomposed ("eager") attention: a softmax over keys whose scores were masked causally, and the GEMM of
   those probabilities with V.
 
-A mask is shown causal by evaluating the (data-independent) subgraph that builds it at small probe lengths
-and checking that no query sees a later key. Everything else that reduces, pools, normalises, slices, shifts
-or gathers along the sequence axis, and every op this analysis does not know, makes the plan refuse with a
-reason; the model then runs with dynamic shapes instead of buckets.
+A mask is shown causal by the attention pass's mask prover (ttftc.passes._attention_mask): it evaluates the
+(data-independent) subgraph that builds the mask symbolically, for every sequence length, with the one threshold
+for a masking value that holds for fp16, bf16 and fp32 masks, and no query may see a later key. Everything else
+that reduces, pools, normalises, slices, shifts or gathers along the sequence axis, and every op this analysis
+does not know, makes the plan refuse with a reason; the model then runs with dynamic shapes instead of buckets.
 
 The graph is the model only at lengths that pass Dynamo's guards on the symbolic length (a slice past the
 example length is traced away under one), so every bucket length must pass them too (length_guard_reason).
@@ -35,16 +36,10 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
 from ttftc.ops.registry import op_name_of
+from ttftc.passes._attention_mask import MaskEvaluator, Select, Unprovable, hides, prove_mask, same_size
 from ttftc.passes.graph_utils import bound_arguments, op_label
 
 aten = torch.ops.aten
-
-# Sequence lengths the mask subgraphs are evaluated at. Small (cheap) and different from each other, so a
-# mask that only happens to look causal at one size is caught.
-PROBE_LENGTHS = (5, 11)
-
-# Additive mask values at or below this hide a key (HF uses the dtype's min, SDPA-style masks use -inf).
-_HIDDEN = -1e30
 
 _VIEW_LIKE = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
@@ -173,12 +168,11 @@ def _free_symbols(size: Any) -> set:
 class PaddingAnalysis:
     """Walks an aten graph whose sequence length is the sympy symbol(s) `seq_symbols`."""
 
-    def __init__(self, gm: fx.GraphModule, seq_symbols: Iterable, max_length: int,
-                 probe_lengths: Sequence[int] = PROBE_LENGTHS):
+    def __init__(self, gm: fx.GraphModule, seq_symbols: Iterable, max_length: int):
         self.gm = gm
         self.max_length = max_length
         self.seq = set(seq_symbols)
-        self.probe_lengths = tuple(probe_lengths)
+        self._masks = MaskEvaluator(gm)  # memoised: one mask shared by every layer is proven once
         self.findings = _Findings()
         self._data_dependent: dict[fx.Node, bool] = {}
         self._causal_probs: set[fx.Node] = set()
@@ -222,70 +216,27 @@ class PaddingAnalysis:
             self._data_dependent[n] = result
         return self._data_dependent[node]
 
-    # -- mask evaluation -------------------------------------------------------------------------------
-    def evaluate(self, node: fx.Node, length: int) -> Any:
-        """The concrete value of a data-independent node when the sequence length is `length`."""
-        seen: set[fx.Node] = set()
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-        env: dict[fx.Node, Any] = {}
-        for n in self.gm.graph.nodes:  # graph order is a topological order
-            if n not in seen:
-                continue
-            if n.op == "placeholder":
-                value = n.meta.get("val")
-                if not isinstance(value, torch.SymInt):
-                    raise ValueError(f"depends on graph input {n.name}")
-                env[n] = length if self._is_seq_size(value) else int(value.node.hint)
-            elif n.op == "get_attr":
-                value = self.gm
-                for part in n.target.split("."):
-                    value = getattr(value, part)
-                env[n] = value
-            elif n.op == "call_function":
-                args = fx.node.map_arg(n.args, env.__getitem__)
-                kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
-                env[n] = n.target(*args, **kwargs)
-            else:
-                raise ValueError(f"cannot evaluate {n.op} node {n.name}")
-        return env[node]
+    # -- masks -----------------------------------------------------------------------------------------
+    def mask_is_causal(self, mask_node: Any, kind: str, scores_shape: tuple, scale: float = 1.0) -> Optional[str]:
+        """None if the mask hides every later key from every query, at every sequence length, else why not.
 
-    def _visible(self, mask_node: fx.Node, length: int, kind: str) -> Optional[torch.Tensor]:
-        """Boolean [..., Sq, Sk] visibility of a mask at `length`, or None if its shape is not query x key."""
-        value = self.evaluate(mask_node, length)
-        if not isinstance(value, torch.Tensor) or value.dim() < 2:
-            return None
-        if value.shape[-1] != length or value.shape[-2] != length:
-            return None
-        if kind == "bool_visible":
-            return value.bool()
-        if kind == "bool_hidden":
-            return ~value.bool()
-        if value.dtype == torch.bool:  # an additive slot given a bool mask: SDPA semantics, True = visible
-            return value
-        return value.float() > _HIDDEN
-
-    def mask_is_causal(self, mask_node: Any, kind: str) -> Optional[str]:
-        """None if the mask hides every later key at every probe length, else why not."""
+        The attention pass's prover decides what the mask is; padding is safe only when no query sees a key
+        after it (causal or a sliding window, aligned on the diagonal) over scores whose query and key axes are
+        both the sequence.
+        """
         if not isinstance(mask_node, fx.Node):
             return "the mask is not a tensor computed in the graph"
         if self.depends_on_data(mask_node):
             return f"the mask {mask_node.name} depends on graph inputs (e.g. an attention_mask), not only on positions"
-        for length in self.probe_lengths:
-            try:
-                visible = self._visible(mask_node, length, kind)
-            except Exception as exc:  # evaluation is best effort; failing to evaluate is failing to prove
-                return f"the mask {mask_node.name} could not be evaluated ({type(exc).__name__}: {exc})"
-            if visible is None:
-                return f"the mask {mask_node.name} is not a [query, key] mask"
-            later = torch.ones(length, length, dtype=torch.bool).triu(1)
-            if (visible & later).any():
-                return f"the mask {mask_node.name} lets a query see later keys (checked at length {length})"
+        q_len, kv_len = scores_shape[-2], scores_shape[-1]
+        if not (self._is_seq_size(q_len) and same_size(q_len, kv_len)):
+            return f"the mask {mask_node.name} is not a [query, key] mask over the sequence"
+        try:
+            spec = prove_mask(self._masks, mask_node, scores_shape, kind=kind, scale=scale)
+        except Unprovable as exc:
+            return f"the mask {mask_node.name} is not proven causal ({exc})"
+        if not spec.causal or spec.q_offset != 0:
+            return f"the mask {mask_node.name} lets a query see later keys"
         return None
 
     # -- attention -------------------------------------------------------------------------------------
@@ -305,10 +256,13 @@ class PaddingAnalysis:
             return None
         if mask is None:
             return f"{node.name}: bidirectional attention ({op_label(node.target)} with is_causal=False and no mask)"
-        why = self.mask_is_causal(mask, "additive")
+        query = kwargs.get("query")
+        scores_shape = (*query.meta["val"].shape[:-1], self._dim_size(key, -2))
+        kind = "visible" if isinstance(mask, fx.Node) and mask.meta["val"].dtype == torch.bool else "additive"
+        why = self.mask_is_causal(mask, kind, scores_shape)
         if why is not None:
             return f"{node.name}: attention mask not proven causal: {why}"
-        self.findings.prove("SDPA with a causal mask (evaluated)")
+        self.findings.prove("SDPA with a causal mask (proven)")
         return None
 
     def _check_ttftc_attention(self, node: fx.Node) -> Optional[str]:
@@ -318,23 +272,37 @@ class PaddingAnalysis:
         return None
 
     def _masked_scores(self, node: fx.Node) -> Optional[str]:
-        """For a softmax input: None if some step on its way from the scores applies a causal mask."""
+        """For a softmax input: None if some step on its way from the scores applies a causal mask.
+
+        A scale met on the way multiplies every mask applied before it, so a mask counts only if it still hides
+        after that scale (-65504 halved no longer does).
+        """
         reasons = []
-        current = node
+        current, scale = node, 1.0
         while isinstance(current, fx.Node) and current.op == "call_function":
             target = current.target
-            if target in (aten._to_copy.default, aten.clone.default, aten.alias.default, aten.view.default,
-                          aten.mul.Tensor, aten.div.Tensor):
-                # dtype casts, views and scaling by a constant keep a hidden key hidden
-                if target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(current.args[1], fx.Node) and \
-                        self.depends_on_data(current.args[1]):
+            if target in (aten._to_copy.default, aten.clone.default, aten.alias.default, aten.view.default):
+                current = current.args[0]  # casts keep a hidden key hidden (see MASKED_VALUE_LIMIT)
+                continue
+            if target in (aten.mul.Tensor, aten.div.Tensor):
+                a, b = current.args[0], current.args[1]
+                scores, factor = (b, a) if target is aten.mul.Tensor and not self._is_data(a) else (a, b)
+                c = self._constant(factor)
+                if c is None or not self._is_data(scores):
                     break
-                current = current.args[0]
+                if target is aten.div.Tensor:
+                    if c == 0:
+                        break
+                    c = 1.0 / c
+                scale *= c
+                current = scores
                 continue
             if target is aten.add.Tensor:
                 a, b = current.args[0], current.args[1]
-                scores, mask = (a, b) if isinstance(a, fx.Node) and self.depends_on_data(a) else (b, a)
-                why = self.mask_is_causal(mask, "additive")
+                scores, mask = (a, b) if self._is_data(a) else (b, a)
+                alpha = current.kwargs.get("alpha", 1)
+                why = self.mask_is_causal(mask, "additive", self._shape(current),
+                                          scale * (alpha if mask is b else 1))
                 if why is None:
                     return None
                 reasons.append(why)
@@ -342,11 +310,11 @@ class PaddingAnalysis:
                 continue
             if target is aten.where.self:
                 cond, x, y = current.args
-                if isinstance(x, fx.Node) and self.depends_on_data(x) and self._fills_hidden(y):
-                    why = self.mask_is_causal(cond, "bool_visible")
+                if self._is_data(x) and self._fills_hidden(y, scale):
+                    why = self.mask_is_causal(cond, "visible", self._shape(current))
                     scores = x
-                elif isinstance(y, fx.Node) and self.depends_on_data(y) and self._fills_hidden(x):
-                    why = self.mask_is_causal(cond, "bool_hidden")
+                elif self._is_data(y) and self._fills_hidden(x, scale):
+                    why = self.mask_is_causal(cond, "hidden", self._shape(current))
                     scores = y
                 else:
                     break
@@ -357,9 +325,9 @@ class PaddingAnalysis:
                 continue
             if target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
                 scores, cond, value = current.args
-                if not self._fills_hidden(value):
+                if not self._fills_hidden(value, scale):
                     break
-                why = self.mask_is_causal(cond, "bool_hidden")
+                why = self.mask_is_causal(cond, "hidden", self._shape(current))
                 if why is None:
                     return None
                 reasons.append(why)
@@ -368,27 +336,45 @@ class PaddingAnalysis:
             break
         return reasons[0] if reasons else "no causal mask is applied to the scores"
 
-    def _fills_hidden(self, value: Any) -> bool:
-        if isinstance(value, (int, float)):
-            return value <= _HIDDEN
-        if isinstance(value, fx.Node) and not self.depends_on_data(value):
-            try:
-                concrete = self.evaluate(value, self.probe_lengths[0])
-            except Exception:
-                return False
-            return isinstance(concrete, torch.Tensor) and concrete.numel() == 1 and float(concrete) <= _HIDDEN
-        return False
+    def _is_data(self, x: Any) -> bool:
+        return isinstance(x, fx.Node) and self.depends_on_data(x)
+
+    @staticmethod
+    def _shape(node: fx.Node) -> tuple:
+        return tuple(node.meta["val"].shape)
+
+    def _constant(self, x: Any) -> Optional[float]:
+        """The number a scalar or a position-independent tensor holds everywhere, or None."""
+        if isinstance(x, bool):
+            return None
+        if isinstance(x, (int, float)):
+            return float(x)
+        if not isinstance(x, fx.Node) or self.depends_on_data(x):
+            return None
+        try:
+            value = self._masks.evaluate(x)
+        except Unprovable:
+            return None
+        if isinstance(value, Select) and value.pred == ("const", True):
+            return float(value.a)
+        return None
+
+    def _fills_hidden(self, value: Any, scale: float) -> bool:
+        c = self._constant(value)
+        return c is not None and hides(c * scale)
 
     def _check_softmax(self, node: fx.Node) -> Optional[str]:
         x = node.args[0]
         dim = node.args[1] % x.meta["val"].dim()
         if not self._is_seq_size(self._dim_size(x, dim)):
             return None
+        if dim != x.meta["val"].dim() - 1:  # a mask's key axis is the last one, so only there does it mean causal
+            return f"{node.name}: softmax over the sequence axis, which is not the scores' last (key) axis"
         why = self._masked_scores(x)
         if why is not None:
             return f"{node.name}: softmax over the sequence axis without a proven causal mask ({why})"
         self._causal_probs.add(node)
-        self.findings.prove("softmax over causally masked scores (evaluated)")
+        self.findings.prove("softmax over causally masked scores (proven)")
         return None
 
     def _is_causal_probs(self, node: Any) -> bool:

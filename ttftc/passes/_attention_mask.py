@@ -35,7 +35,14 @@ aten = torch.ops.aten
 
 # An additive mask value at or below this makes exp() underflow to exactly 0 next to any realistic score (and
 # it is float16's most negative finite value, the smallest "minus infinity" a half-precision model can use).
+# bf16 and fp32 models use their own dtype's min (about -3.4e38) or -inf, both below it. A cast keeps a value at or
+# below it there: rounding to fp16 gives -65504 or -inf, to bf16 -65536 or less.
 MASKED_VALUE_LIMIT = -65504.0
+
+
+def hides(x: float) -> bool:
+    """Whether adding (or filling in) the value `x` masks a key: the one threshold for every caller."""
+    return x <= MASKED_VALUE_LIMIT  # -inf included; NaN is not a mask
 
 
 class Unprovable(Exception):
@@ -755,7 +762,7 @@ def _additive_kind(x: float) -> bool:
     """True for 0 (visible), False for a masking value; anything in between changes the scores."""
     if x == 0.0:
         return True
-    if x <= MASKED_VALUE_LIMIT or x == -math.inf:
+    if hides(x):
         return False
     raise Unprovable(f"the mask adds {x:g}, neither 0 nor a masking value <= {MASKED_VALUE_LIMIT:g}")
 
@@ -859,3 +866,27 @@ def classify_mask(pred: Pred, dims, mask_shape: tuple, scores_shape: tuple) -> M
             holder = _substitute(holder, sym, Affine.constant(0), drop=True)
     padded = (1,) * (len(scores_shape) - len(mask_shape)) + tuple(mask_shape)
     return classify(holder.pred, holder.dims, padded, scores_shape[-2], scores_shape[-1])
+
+
+# Which side of a boolean mask is the visible one, or that the mask is added to the scores.
+MASK_KINDS = ("additive", "visible", "hidden")
+
+
+def prove_mask(evaluator: MaskEvaluator, mask: Any, scores_shape: tuple, *, kind: str,
+               scale: float = 1.0) -> MaskSpec:
+    """What `mask` does to attention scores of `scores_shape` [.., Sq, Skv], proven for every sequence length.
+
+    kind: "additive" (added to the scores, then multiplied by `scale` on the way to the softmax), "visible" (a
+    boolean, True where the key is visible) or "hidden" (a boolean, True where a fill hides the key). Raises
+    Unprovable with the reason when the mask is not one MaskSpec describes.
+    """
+    if kind not in MASK_KINDS:
+        raise ValueError(f"mask kind {kind!r} is not one of {MASK_KINDS}")
+    value = evaluator.evaluate(mask)
+    if kind == "additive" and isinstance(value, Select) and scale != 1.0:
+        value = Select(value.pred, value.a * scale, value.b * scale, value.dims)
+    pred, dims = visible_predicate(value, additive=kind == "additive")
+    if kind == "hidden":
+        pred = ("not", pred)
+    mask_shape = _shape(mask) if isinstance(mask, fx.Node) else ()
+    return classify_mask(pred, dims, mask_shape, scores_shape)

@@ -28,14 +28,13 @@ import torch.fx as fx
 from ttftc.ops.attention import attention as attention_op
 from ttftc.passes import graph_utils as gu
 from ttftc.passes._attention_mask import (
-    MASKED_VALUE_LIMIT,
     MaskEvaluator,
     MaskSpec,
     Unprovable,
-    classify_mask,
+    hides,
+    prove_mask,
     same_size,
     size_expr,
-    visible_predicate,
 )
 from ttftc.passes.base import GraphPass
 from ttftc.passes.registry import register_pass
@@ -400,8 +399,7 @@ class AttentionPass(GraphPass):
             if node.kwargs.get("alpha", 1) != 1:
                 raise Reject("the mask is added with alpha != 1")
             region.append(node)
-            pred, dims = visible_predicate(self._masks.evaluate(mask), additive=True)
-            return self._classify(pred, dims, mask, node), scores
+            return prove_mask(self._masks, mask, _shape(node), kind="additive"), scores
         if gu.is_call(node, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
             cond, x, y = node.args[0], node.args[1], node.args[2]
             if self._leads_to_scores(x) and self._masking_constant(gm, y):
@@ -411,25 +409,19 @@ class AttentionPass(GraphPass):
             else:
                 raise Reject("where() on the scores does not select between the scores and a masking value")
             region.append(node)
-            pred, dims = visible_predicate(self._masks.evaluate(cond), additive=False)
-            return self._classify(("not", pred) if negate else pred, dims, cond, node), scores
+            return prove_mask(self._masks, cond, _shape(node), kind="hidden" if negate else "visible"), scores
         if gu.is_call(node, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             scores, mask, value = node.args
             if not self._masking_constant(gm, value):
                 raise Reject("masked_fill on the scores with a value that does not mask")
             region.append(node)
-            pred, dims = visible_predicate(self._masks.evaluate(mask), additive=False)
-            return self._classify(("not", pred), dims, mask, node), scores
+            return prove_mask(self._masks, mask, _shape(node), kind="hidden"), scores
         return MaskSpec(causal=False), node
-
-    def _classify(self, pred, dims, mask_node: Any, scores_node: fx.Node) -> MaskSpec:
-        mask_shape = _shape(mask_node) if isinstance(mask_node, fx.Node) else ()
-        return classify_mask(pred, dims, mask_shape, _shape(scores_node))
 
     @staticmethod
     def _masking_constant(gm: fx.GraphModule, x: Any) -> bool:
         value = _scalar_constant(gm, x)
-        return value is not None and (value <= MASKED_VALUE_LIMIT)
+        return value is not None and hides(value)
 
     def _leads_to_scores(self, node: Any) -> bool:
         """Whether `node` is the scaled scores: scale ops and casts over a reshaped bmm."""
@@ -508,9 +500,8 @@ class AttentionPass(GraphPass):
         else:
             if not isinstance(mask, fx.Node):
                 raise Reject("SDPA mask is not a tensor")
-            additive = gu.val(mask).dtype != torch.bool
-            pred, dims = visible_predicate(self._masks.evaluate(mask), additive=additive)
-            spec = classify_mask(pred, dims, _shape(mask), scores_shape)
+            kind = "visible" if gu.val(mask).dtype == torch.bool else "additive"
+            spec = prove_mask(self._masks, mask, scores_shape, kind=kind)
         scale = args.get("scale")
         if scale is None:
             d = gu.static_int(_shape(q)[-1])
