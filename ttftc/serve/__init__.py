@@ -6,10 +6,14 @@
         ...
 
 Modules: errors (OpenAI's error shape), protocol (request bodies to typed requests), sse (chunks and events),
-metrics (Prometheus), app (the endpoints), server (uvicorn, signals and drain), loadtest and loadtest_report.
+metrics (Prometheus), policy (tenant priorities, TTFT-SLO admission), warm (pre-warmed, pinned prompts), app (the
+endpoints), server (uvicorn, signals and drain), loadtest and loadtest_report.
 """
 
 from ttftc.serve.app import create_app
+from ttftc.serve.policy import ServingPolicy
 from ttftc.serve.server import BackgroundServer, run_server
+from ttftc.serve.warm import WarmPrompt, WarmPromptsError, read_warm_prompts
 
-__all__ = ["BackgroundServer", "create_app", "run_server"]
+__all__ = ["BackgroundServer", "ServingPolicy", "WarmPrompt", "WarmPromptsError", "create_app", "read_warm_prompts",
+           "run_server"]
