@@ -43,6 +43,12 @@ def test_the_int32_product_is_int_mms_bit_for_bit_on_every_isa(native_isa, m, k,
         assert out.dtype == torch.int32 and torch.equal(out, _exact(xq, w)), (native_isa, layout)
 
 
+def test_each_isa_runs_its_own_version_of_the_gemm(native_isa):
+    # VNNI's vpdpbusd only under the AVX-512 ISAs of a CPU that has it; forcing AVX2 reaches the AVX2 kernel.
+    expected = {"base": "base", "avx2": "avx2"}.get(native_isa, _native.int8_gemm_isa())
+    assert _native.int8_gemm_isa() == expected and expected in ("base", "avx2", "avx512_vnni")
+
+
 def test_the_largest_pair_sums_do_not_saturate(native_isa):
     # |x| = 128 against 127 of one sign, and 127 against -127: pair sums of +-32512 and -32258, the extremes the
     # 16-bit vpmaddubsw sums reach, over a K long enough to sum many of them.

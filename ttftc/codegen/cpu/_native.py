@@ -383,6 +383,13 @@ def int8_gemm_reason() -> Optional[str]:
     return reason
 
 
+def int8_gemm_isa() -> Optional[str]:
+    """The version of int8_gemm this process runs: "avx512_vnni" (vpdpbusd, under the AVX-512 ISAs of a CPU with
+    VNNI), "avx2" or "base"; None where the kernels are unavailable."""
+    module = _load()[0]
+    return module.int8_gemm_isa() if module is not None else None
+
+
 def pack_int8_weight(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] int8 (any strides) -> the layout int8_gemm reads: [ceil(N/8), ceil(K/4), 8, 4], zero padded.
 

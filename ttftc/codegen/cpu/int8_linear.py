@@ -18,6 +18,7 @@ int8_linear has two more GEMMs, and which one runs is measured on the machine at
   layout, with the dequantisation fused into its stores. Fast on AVX2 without VNNI, where `_int_mm` is a plain loop
   and the u8 GEMM saturates: |x| · (w with x's sign) never saturates vpmaddubsw's 16-bit pair sums. It needs weights
   in [-127, 127] (ttftc's quantiser's range); a weight holding -128 runs through `_int_mm` instead, exact but slow.
+  Where the CPU has AVX512-VNNI the same kernel multiplies with vpdpbusd (_native.int8_gemm_isa() says which).
 - `gemm="fp32"`: one fp32 GEMM over the integer-valued operands (the weight converted once per process), the
   W8A8 numbers at fp32 speed: what runs where no int8 GEMM beats fp32 (ATen's `_int_mm` without VNNI is a plain
   loop), so precision="int8" never costs more than fp32 does.

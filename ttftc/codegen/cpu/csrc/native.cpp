@@ -317,6 +317,23 @@ bool parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
 #include "isa_kernels.h"
 #if defined(__clang__)
 #pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,avx2,fma"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,avx2,fma")
+#endif
+// The int8 GEMM alone again, with VNNI's vpdpbusd (Intel Cascade Lake and later, AMD Zen 4 and later): taken by the
+// AVX-512 ISAs where the CPU has it (int8_gemm below), so set_isa("avx2") still reaches the AVX2 version.
+#define TTFTC_NS isa_avx512_vnni
+#define TTFTC_INT8_AVX2 1
+#define TTFTC_INT8_VNNI 1
+#include "int8_gemm_kernel.h"
+#undef TTFTC_NS
+#undef TTFTC_INT8_AVX2
+#undef TTFTC_INT8_VNNI
+#if defined(__clang__)
+#pragma clang attribute pop
 #else
 #pragma GCC pop_options
 #endif
@@ -344,6 +361,12 @@ Isa detect_isa() {
 }
 
 const Isa kBestIsa = detect_isa();
+
+#ifdef TTFTC_X86
+const bool kHasVnni = kBestIsa >= Isa::avx512 && __builtin_cpu_supports("avx512vnni");
+#else
+const bool kHasVnni = false;
+#endif
 Isa kIsa = kBestIsa;  // set_isa lowers it, so tests reach every version on one machine
 
 const char* isa_name(Isa isa) {
@@ -531,6 +554,8 @@ PyObject* gated_quant(PyObject*, PyObject* args) {
   return run("gated_quant", kernels, a, x[9]);
 }
 
+bool int8_vnni() { return kHasVnni && (kIsa == Isa::avx512 || kIsa == Isa::avx512_bf16); }
+
 // int8_gemm(ints) = (x, x_row_stride, packed, out, out_row_stride, x_scale, w_scale, bias or 0, m, n, k, out_kind,
 // block_m, block_nv, threads): out = x [M, K] s8 . packed weight [N, K] s8, as int32 (out_kind 0) or dequantised
 // (acc * w_scale * x_scale + bias) as fp32 (1) or bf16 (2). See int8_gemm_kernel.h.
@@ -559,8 +584,21 @@ PyObject* int8_gemm(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "int8_gemm: the operands' sizes overflow int64");
     return nullptr;
   }
+#ifdef TTFTC_X86
+  if (int8_vnni()) {
+    static const Kernel<Int8GemmArgs> kernels[kIsas] = {nullptr, nullptr, isa_avx512_vnni::int8_gemm,
+                                                        isa_avx512_vnni::int8_gemm};
+    return run("int8_gemm", kernels, a, x[14]);
+  }
+#endif
   static const Kernel<Int8GemmArgs> kernels[kIsas] = TTFTC_BY_ISA(int8_gemm);
   return run("int8_gemm", kernels, a, x[14]);
+}
+
+// The version int8_gemm runs in this process: "avx512_vnni", "avx2" (the AVX2 kernel, also under the AVX-512 ISAs
+// of a CPU without VNNI) or "base".
+PyObject* int8_gemm_isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(int8_vnni() ? "avx512_vnni" : kIsa == Isa::base ? "base" : "avx2");
 }
 
 PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(kIsa)); }
@@ -608,6 +646,7 @@ PyMethodDef kMethods[] = {
     {"dequant", dequant, METH_VARARGS, "int32 accumulator to float with per-row and per-column scales."},
     {"gated_quant", gated_quant, METH_VARARGS, "Dequant, act(gate) * up, int8 per row (see rows_kernel.h)."},
     {"int8_gemm", int8_gemm, METH_VARARGS, "Exact s8 x s8 GEMM on a packed weight, int32 or dequantised."},
+    {"int8_gemm_isa", int8_gemm_isa, METH_NOARGS, "The version of int8_gemm this process runs."},
     {"isa", isa, METH_NOARGS, "The instruction set the kernels run with on this CPU."},
     {"use_openmp", use_openmp, METH_VARARGS, "Run parallel kernels on this already-loaded OpenMP runtime."},
     {"set_isa", set_isa, METH_VARARGS, "Run the kernels with another instruction set this CPU has; returns the previous."},
