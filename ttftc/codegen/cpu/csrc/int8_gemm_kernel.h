@@ -166,15 +166,19 @@ static void i8_block(const Int8GemmArgs& a, int64_t m_begin, int64_t m_end, int6
     const int8_t* x = a.x + m * a.x_rs;
     for (int64_t nv = nv_begin; nv < nv_end; ++nv) {
       const int8_t* w = a.packed + nv * a.panel;
-      int32_t acc[kI8Cols] = {};
+      // Unsigned sums wrap modulo 2^32 as the vector adds (and _int_mm) do past int32, where signed ones would be
+      // undefined.
+      uint32_t acc[kI8Cols] = {};
       for (int64_t g = 0; g < groups; ++g) {
         int8_t x4[kI8Depth];
         const int32_t bytes = i8_group(x, g, a.k);
         std::memcpy(x4, &bytes, sizeof x4);
         for (int c = 0; c < kI8Cols; ++c)
-          for (int d = 0; d < kI8Depth; ++d) acc[c] += int32_t(x4[d]) * int32_t(w[g * 32 + c * kI8Depth + d]);
+          for (int d = 0; d < kI8Depth; ++d) acc[c] += uint32_t(int32_t(x4[d]) * int32_t(w[g * 32 + c * kI8Depth + d]));
       }
-      i8_store_row(a, m, nv * kI8Cols, acc);
+      int32_t sums[kI8Cols];
+      std::memcpy(sums, acc, sizeof sums);
+      i8_store_row(a, m, nv * kI8Cols, sums);
     }
   }
 }
@@ -183,9 +187,9 @@ static void i8_block(const Int8GemmArgs& a, int64_t m_begin, int64_t m_end, int6
 // Work items are (row block, column block) tiles, row blocks outermost within a column block so that consecutive
 // items on one thread share the column block's packed weight.
 static bool int8_gemm(const Int8GemmArgs& a, int threads) {
-  const int64_t m_blocks = (a.m + a.block_m - 1) / a.block_m;
-  const int64_t vecs = (a.n + kI8Cols - 1) / kI8Cols;
-  const int64_t n_blocks = (vecs + a.block_nv - 1) / a.block_nv;
+  const int64_t m_blocks = a.m / a.block_m + (a.m % a.block_m != 0);  // no a.m + a.block_m - 1: it may overflow
+  const int64_t vecs = a.n / kI8Cols + (a.n % kI8Cols != 0);
+  const int64_t n_blocks = vecs / a.block_nv + (vecs % a.block_nv != 0);
   return parallel_for<int>(
       m_blocks * n_blocks, threads, [](int&) { return true; },
       [&](int&, int64_t item) {
