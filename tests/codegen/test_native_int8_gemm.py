@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from tests.codegen.conftest import native_isas_here
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu import int8_linear as cpu
 from ttftc.codegen.cpu.int8_gemm_choice import FP32, choose, exactness_reason, full_range_operands
@@ -186,11 +187,22 @@ def test_int8_linear_through_the_native_gemm_matches_the_reference(out_dtype, pi
         torch.testing.assert_close(actual, expected)
 
 
-def test_a_tiny_int8_model_through_the_native_gemm_agrees_with_fp32(monkeypatch, pin_int8_gemm):
+@pytest.fixture
+def avx2_forced():
+    """The native kernels forced down to AVX2 (an AVX2 CPU without VNNI) for one test."""
+    if "avx2" not in native_isas_here():
+        pytest.skip("this CPU does not run the avx2 kernels")
+    previous = _native.set_isa("avx2")
+    yield
+    _native.set_isa(previous)
+
+
+def test_a_tiny_int8_model_through_the_native_gemm_agrees_with_fp32(monkeypatch, pin_int8_gemm, avx2_forced):
     pytest.importorskip("transformers")
     import ttftc
     from ttftc import zoo
 
+    assert _native.int8_gemm_isa() == "avx2"
     pin_int8_gemm(NATIVE, {"onednn_u8": "differs from the exact int32 product"})
     calls = []
     real = _native.int8_gemm
