@@ -227,9 +227,18 @@ def test_autotune_never_tries_a_gemm_refused_here(pin_int8_gemm):
 
 def test_only_the_u8_gemm_needs_onednns_quantised_linear(monkeypatch):
     monkeypatch.setattr(cpu, "onednn_u8_reason", lambda: "no qlinear here")
+    monkeypatch.setattr(cpu, "native_int8_reason", lambda: None)
     assert cpu._unavailable_gemms() == {"onednn_u8": "no qlinear here"}
     monkeypatch.delattr(torch, "_int_mm")
     assert cpu._unavailable_gemms() == {"onednn_u8": "no qlinear here", "int_mm": "this torch has no torch._int_mm"}
+
+
+def test_the_native_gemm_is_unavailable_without_the_extension_or_avx2(monkeypatch, glue):
+    if glue is None:  # the lowerings see no native kernels at all
+        assert cpu._unavailable_gemms()["native_avx2"] == "switched off by the test"
+        return
+    monkeypatch.setattr(cpu._native, "isa", lambda: "base")
+    assert cpu._unavailable_gemms()["native_avx2"] == "the CPU lacks AVX2 (the native kernels run base)"
 
 
 def test_every_capability_refusal_names_its_reason(monkeypatch):

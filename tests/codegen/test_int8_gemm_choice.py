@@ -100,7 +100,7 @@ def test_a_gemm_that_misreads_a_transposed_weight_is_refused():
 
 def test_full_range_operands_reach_the_products_that_saturate():
     xq, w = full_range_operands(4, 64, 4)
-    assert int(xq.min()) == -127 and int(xq.max()) == 127 and int(w.min()) == -127 and int(w.max()) == 127
+    assert int(xq.min()) == -128 and int(xq.max()) == 127 and int(w.min()) == -127 and int(w.max()) == 127
     u8_pairs = (xq[0].int() + 128)[0::2] * w[0].int()[0::2] + (xq[0].int() + 128)[1::2] * w[0].int()[1::2]
     assert int(u8_pairs.max()) > 32767  # a 16-bit pair sum overflows on these rows
 

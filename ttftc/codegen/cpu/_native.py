@@ -362,3 +362,91 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
                        *x.stride()[:3], *tables[0].stride()[:3], *tables[1].stride()[:3], *out.stride()[:3],
                        int(x.dtype == torch.bfloat16), _threads()))
     return out
+
+
+# -- the exact int8 GEMM for AVX2 without VNNI (csrc/int8_gemm_kernel.h) --------------------------------------
+
+INT8_COLUMNS, INT8_DEPTH = 8, 4  # the packed weight's blocks: 8 columns x 4 k, one 32-byte vector
+# Packed weight bytes per column block, so that a block stays in L2 (256 KiB of it) while its rows stream past.
+INT8_BLOCK_BYTES = 256 << 10
+INT8_BLOCK_ROWS = 64
+INT8_OUT_KINDS = {torch.int32: 0, torch.float32: 1, torch.bfloat16: 2}
+# The instruction sets whose int8_gemm is the vectorised (AVX2) one; "base" runs an exact scalar loop.
+INT8_GEMM_ISAS = ("avx2", "avx512", "avx512_bf16")
+
+
+def int8_gemm_reason() -> Optional[str]:
+    """None when int8_gemm runs its AVX2 kernel in this process, else why not."""
+    reason = unavailable_reason()
+    if reason is None and isa() not in INT8_GEMM_ISAS:
+        reason = f"the CPU lacks AVX2 (the native kernels run {isa()})"
+    return reason
+
+
+def int8_gemm_isa() -> Optional[str]:
+    """The version of int8_gemm this process runs: "avx512_vnni" (vpdpbusd, under the AVX-512 ISAs of a CPU with
+    VNNI), "avx2" or "base"; None where the kernels are unavailable."""
+    module = _load()[0]
+    return module.int8_gemm_isa() if module is not None else None
+
+
+def pack_int8_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] int8 (any strides) -> the layout int8_gemm reads: [ceil(N/8), ceil(K/4), 8, 4], zero padded.
+
+    Refuses a weight holding -128: the kernel negates weights (x's sign moved onto them), and -(-128) is no int8.
+    ttftc's quantiser never makes one (it clamps to [-127, 127])."""
+    _on_cpu("pack_int8_weight", w=w)
+    _check(w.dtype == torch.int8 and w.dim() == 2, f"pack_int8_weight: want a 2-D int8 weight, got {w.dtype} "
+           f"{tuple(w.shape)}")
+    if w.numel() and int(w.min()) == -128:
+        raise ValueError("pack_int8_weight: the weight holds -128, which the sign trick cannot negate; int8 weights "
+                         "must lie in [-127, 127]")
+    n, k = w.shape
+    vecs, groups = -(-n // INT8_COLUMNS), -(-k // INT8_DEPTH)
+    padded = torch.zeros(vecs * INT8_COLUMNS, groups * INT8_DEPTH, dtype=torch.int8)
+    padded[:n, :k] = w
+    # Each group of 4 k moves as one int32: ATen's int8 permute copies a byte at a time, 10x slower at 1024x1024.
+    groups_as_words = padded.view(torch.int32).view(vecs, INT8_COLUMNS, groups)
+    return groups_as_words.transpose(1, 2).contiguous().view(torch.int8).view(vecs, groups, INT8_COLUMNS, INT8_DEPTH)
+
+
+def int8_gemm(xq: torch.Tensor, packed: torch.Tensor, n: int, x_scale: Optional[torch.Tensor] = None,
+              w_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+              out_dtype: torch.dtype = torch.int32, *, block_rows: int = INT8_BLOCK_ROWS,
+              block_vecs: Optional[int] = None) -> torch.Tensor:
+    """xq [M, K] int8 (unit-stride rows) times the packed [n, K] weight: the exact int32 product (out_dtype int32),
+    or dequantised as acc * w_scale[None, :] * x_scale[:, None] (+ bias) in fp32 or bf16, as dequant() computes it.
+
+    block_rows / block_vecs: rows and 8-column vectors per work item (block_vecs defaults to 256 KiB of packed
+    weight)."""
+    _check(unavailable_reason() is None, f"int8_gemm: {unavailable_reason()}")
+    _on_cpu("int8_gemm", xq=xq, packed=packed, x_scale=x_scale, w_scale=w_scale, bias=bias)
+    _check(xq.dtype == torch.int8 and xq.dim() == 2 and _rows_ready(xq), "int8_gemm: xq must be int8 [M, K] rows")
+    m, k = xq.shape
+    n = _count("n", n, 0, 2**62)
+    vecs, groups = -(-n // INT8_COLUMNS), -(-k // INT8_DEPTH)
+    _check(packed.dtype == torch.int8 and tuple(packed.shape) == (vecs, groups, INT8_COLUMNS, INT8_DEPTH)
+           and packed.is_contiguous(), f"int8_gemm: packed must be pack_int8_weight's [{vecs}, {groups}, 8, 4] for "
+           f"a [{n}, {k}] weight, got {packed.dtype} {tuple(packed.shape)}")
+    _check(out_dtype in INT8_OUT_KINDS, f"int8_gemm: out dtype {out_dtype}")
+    if out_dtype != torch.int32:
+        _check(x_scale is not None and w_scale is not None, "int8_gemm: a dequantised output needs both scales")
+        x_scale = x_scale.reshape(-1).float().contiguous()
+        w_scale = w_scale.float().contiguous()
+        bias = None if bias is None else bias.float().contiguous()
+        _check(x_scale.shape == (m,) and w_scale.shape == (n,) and (bias is None or bias.shape == (n,)),
+               "int8_gemm: scales")
+    else:
+        _check(bias is None, "int8_gemm: an int32 output takes no bias")
+        x_scale = w_scale = None
+    if block_vecs is None:
+        block_vecs = max(2, INT8_BLOCK_BYTES // max(1, groups * INT8_COLUMNS * INT8_DEPTH) // 2 * 2)
+    block_rows = _count("block_rows", block_rows, 1, 2**62)
+    block_vecs = _count("block_vecs", block_vecs, 1, 2**62)
+    out = torch.empty(m, n, dtype=out_dtype)
+    if m and n:
+        address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        _call("int8_gemm", (xq.data_ptr(), xq.stride(0) if m > 1 else k, packed.data_ptr(), out.data_ptr(), n,
+                            address(x_scale), address(w_scale), address(bias), m, n, k, INT8_OUT_KINDS[out_dtype],
+                            block_rows, block_vecs, _threads()))
+    return out

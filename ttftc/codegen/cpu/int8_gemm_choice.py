@@ -75,12 +75,14 @@ def choose(ms: Mapping[str, float], refused: Mapping[str, str], shape: tuple[int
 
 
 def full_range_operands(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """xq [m, k] and w [n, k] int8 over [-127, 127], with rows of +127 and -127 next to weights of both signs:
-    the largest products any quantised operands can make, which a saturating 16-bit pair sum gets wrong."""
+    """xq [m, k] over all of int8 and w [n, k] over [-127, 127] (the range ttftc's quantiser gives weights), with
+    rows of +127, -127 and -128 next to weights of both signs: the largest products any operands can make, which a
+    saturating 16-bit pair sum gets wrong. Activations reach -128 although the quantiser stops at -127: a GEMM that
+    moves signs around (|x| as u8) must be right on the one int8 whose negation does not fit."""
     generator = torch.Generator().manual_seed(seed)
-    xq = torch.randint(-127, 128, (m, k), generator=generator, dtype=torch.int8)
+    xq = torch.randint(-128, 128, (m, k), generator=generator, dtype=torch.int8)
     w = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
-    xq[0], xq[1] = 127, -127
+    xq[0], xq[1], xq[2] = 127, -127, -128
     w[0], w[1] = 127, -127
     w[2, 0::2], w[2, 1::2] = 127, -127
     return xq, w
@@ -89,8 +91,8 @@ def full_range_operands(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Te
 def exactness_reason(gemm: Gemm, *, shape: tuple[int, int, int] = (64, 256, 64)) -> Optional[str]:
     """None when `gemm` reproduces the exact int32 product of full-range operands, else how it differs.
 
-    Unit scales make its output the integer product itself; K=256 keeps every sum below 2**24, where fp32 holds
-    integers exactly, so any difference is the GEMM's, not the output format's."""
+    Unit scales make its output the integer product itself; K=256 keeps every sum (at most 256 · 128 · 127) below
+    2**24, where fp32 holds integers exactly, so any difference is the GEMM's, not the output format's."""
     m, k, n = shape
     xq, w = full_range_operands(m, k, n)
     exact = (xq.to(torch.int64) @ w.to(torch.int64).t()).to(torch.float32)

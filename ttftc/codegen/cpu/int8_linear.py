@@ -14,6 +14,11 @@ int8_linear has two more GEMMs, and which one runs is measured on the machine at
 - `gemm="onednn_u8"`: oneDNN's quantised linear on a weight packed once into its blocked layout, with the
   activation as u8 (x + 128, zero point 128: oneDNN's fast s8 path wants an unsigned activation) and w_scale
   applied inside the GEMM. It is exact only where the CPU has VNNI, which the choice checks before it times it.
+- `gemm="native_avx2"`: ttftc's own exact s8·s8 GEMM (csrc/int8_gemm_kernel.h) on a weight packed once into its
+  layout, with the dequantisation fused into its stores. Fast on AVX2 without VNNI, where `_int_mm` is a plain loop
+  and the u8 GEMM saturates: |x| · (w with x's sign) never saturates vpmaddubsw's 16-bit pair sums. It needs weights
+  in [-127, 127] (ttftc's quantiser's range); a weight holding -128 runs through `_int_mm` instead, exact but slow.
+  Where the CPU has AVX512-VNNI the same kernel multiplies with vpdpbusd (_native.int8_gemm_isa() says which).
 - `gemm="fp32"`: one fp32 GEMM over the integer-valued operands (the weight converted once per process), the
   W8A8 numbers at fp32 speed: what runs where no int8 GEMM beats fp32 (ATen's `_int_mm` without VNNI is a plain
   loop), so precision="int8" never costs more than fp32 does.
@@ -116,7 +121,8 @@ def _weight_reason(x, w, s, bias=None) -> str | None:
 
 # -- oneDNN's quantised linear on packed weights, and the fp32 GEMM over int8 operands ------------------------
 
-INT8_GEMMS = ("int_mm", "onednn_u8", FP32)
+NATIVE = "native_avx2"
+INT8_GEMMS = ("int_mm", "onednn_u8", NATIVE, FP32)
 U8_ZERO_POINT = 128
 
 
@@ -190,7 +196,37 @@ def fp32_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tensor, w_s
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
-GEMMS = {"int_mm": int8_gemm, "onednn_u8": onednn_u8_gemm, FP32: fp32_gemm}
+def native_int8_reason() -> str | None:
+    """None when the native int8 GEMM runs its AVX2 kernel here, else why not (no extension, or no AVX2)."""
+    return _native.unavailable_reason() or _native.int8_gemm_reason()
+
+
+def _native_pack(w_int8: torch.Tensor, rows_hint: int) -> torch.Tensor | None:
+    """The native GEMM's packed weight, or None for a weight holding -128 (which the sign trick cannot negate)."""
+    if w_int8.numel() and int(w_int8.min()) == -128:
+        warnings.warn(f"ttftc: an int8 weight {tuple(w_int8.shape)} holds -128, outside the quantiser's [-127, 127]; "
+                      "the native_avx2 GEMM runs it through torch._int_mm instead (exact, slower)", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    return _native.pack_int8_weight(w_int8)
+
+
+NATIVE_PACKED = PerWeight(_native_pack)
+_NATIVE_OUT = (torch.float32, torch.bfloat16)
+
+
+def native_int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tensor, w_scale, bias, out_dtype):
+    """xq [M, K] int8, x_scale [M] → [M, N] out_dtype through ttftc's exact native GEMM, dequantised in its
+    stores (fp16 is made from its fp32 output)."""
+    packed = NATIVE_PACKED.get(w_int8, xq.shape[0])
+    if packed is None:
+        return int8_gemm(xq, x_scale, w_int8, w_scale, bias, out_dtype)
+    kernel_dtype = out_dtype if out_dtype in _NATIVE_OUT else torch.float32
+    out = _native.int8_gemm(xq.contiguous(), packed, w_int8.shape[0], x_scale, w_scale, bias, kernel_dtype)
+    return out if out_dtype == kernel_dtype else out.to(out_dtype)
+
+
+GEMMS = {"int_mm": int8_gemm, "onednn_u8": onednn_u8_gemm, NATIVE: native_int8_gemm, FP32: fp32_gemm}
 
 
 def _unavailable_gemms() -> dict[str, str]:
@@ -199,6 +235,8 @@ def _unavailable_gemms() -> dict[str, str]:
         unavailable["int_mm"] = "this torch has no torch._int_mm"
     if onednn_u8_reason() is not None:
         unavailable["onednn_u8"] = onednn_u8_reason()
+    if native_int8_reason() is not None:
+        unavailable[NATIVE] = native_int8_reason()
     return unavailable
 
 

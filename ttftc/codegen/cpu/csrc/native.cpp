@@ -158,6 +158,21 @@ struct GatedQuantArgs {
   int act;  // 0 silu, 1 gelu (tanh approximation), 2 relu
 };
 
+struct Int8GemmArgs {
+  const int8_t* x;  // [M, K], row stride x_rs
+  int64_t x_rs;
+  const int8_t* packed;  // int8_gemm_kernel.h's layout: ceil(N / 8) panels of `panel` bytes
+  int64_t panel;         // ceil(K / 4) * 32, computed with an overflow check
+  void* out;             // [M, N] int32 (out_kind 0), fp32 (1) or bf16 (2), row stride out_rs
+  int64_t out_rs;
+  const float* x_scale;  // [M], [N] and [N] or null: read only when out_kind != 0
+  const float* w_scale;
+  const float* bias;
+  int64_t m, n, k;
+  int out_kind;
+  int64_t block_m, block_nv;  // rows and 8-column vectors per work item
+};
+
 // Per-thread working memory of one attention call, 64-byte aligned for vector loads.
 struct Scratch {
   float* qt = nullptr;
@@ -266,6 +281,7 @@ bool parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
 #pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")
 #endif
 #define TTFTC_NS isa_avx512
+#define TTFTC_INT8_AVX2 1
 #define TTFTC_VW 16
 #define TTFTC_R 8
 #include "isa_kernels.h"
@@ -280,6 +296,7 @@ bool parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
 // AVX-512 with bf16 dot products (AMD Zen 4 and later, Intel Cooper Lake and Sapphire Rapids): every kernel, plus
 // the bf16 attention kernel that only this ISA has.
 #define TTFTC_NS isa_avx512_bf16
+#define TTFTC_INT8_AVX2 1
 #define TTFTC_VW 16
 #define TTFTC_R 8
 #define TTFTC_BF16_DOT 1
@@ -294,9 +311,27 @@ bool parallel_for(int64_t n, int threads, const Init& init, const Body& body) {
 #endif
 // 16 ymm registers: a 4 x 3 accumulator tile, three query vectors and a broadcast.
 #define TTFTC_NS isa_avx2
+#define TTFTC_INT8_AVX2 1
 #define TTFTC_VW 8
 #define TTFTC_R 4
 #include "isa_kernels.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,avx2,fma"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,avx2,fma")
+#endif
+// The int8 GEMM alone again, with VNNI's vpdpbusd (Intel Cascade Lake and later, AMD Zen 4 and later): taken by the
+// AVX-512 ISAs where the CPU has it (int8_gemm below), so set_isa("avx2") still reaches the AVX2 version.
+#define TTFTC_NS isa_avx512_vnni
+#define TTFTC_INT8_AVX2 1
+#define TTFTC_INT8_VNNI 1
+#include "int8_gemm_kernel.h"
+#undef TTFTC_NS
+#undef TTFTC_INT8_AVX2
+#undef TTFTC_INT8_VNNI
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -326,6 +361,12 @@ Isa detect_isa() {
 }
 
 const Isa kBestIsa = detect_isa();
+
+#ifdef TTFTC_X86
+const bool kHasVnni = kBestIsa >= Isa::avx512 && __builtin_cpu_supports("avx512vnni");
+#else
+const bool kHasVnni = false;
+#endif
 Isa kIsa = kBestIsa;  // set_isa lowers it, so tests reach every version on one machine
 
 const char* isa_name(Isa isa) {
@@ -513,6 +554,53 @@ PyObject* gated_quant(PyObject*, PyObject* args) {
   return run("gated_quant", kernels, a, x[9]);
 }
 
+bool int8_vnni() { return kHasVnni && (kIsa == Isa::avx512 || kIsa == Isa::avx512_bf16); }
+
+// int8_gemm(ints) = (x, x_row_stride, packed, out, out_row_stride, x_scale, w_scale, bias or 0, m, n, k, out_kind,
+// block_m, block_nv, threads): out = x [M, K] s8 . packed weight [N, K] s8, as int32 (out_kind 0) or dequantised
+// (acc * w_scale * x_scale + bias) as fp32 (1) or bf16 (2). See int8_gemm_kernel.h.
+PyObject* int8_gemm(PyObject*, PyObject* args) {
+  int64_t x[15];
+  if (!parse_ints(args, "int8_gemm", 15, x, nullptr)) return nullptr;
+  Int8GemmArgs a{ptr<const int8_t>(x[0]), x[1], ptr<const int8_t>(x[2]), 0, ptr<void>(x[3]), x[4],
+                 ptr<const float>(x[5]), ptr<const float>(x[6]), ptr<const float>(x[7]), x[8], x[9], x[10],
+                 int(std::min<int64_t>(std::max<int64_t>(x[11], -1), 3)), x[12], x[13]};
+  if (!non_negative("int8_gemm", {a.x_rs, a.out_rs, a.m, a.n, a.k})) return nullptr;
+  if (a.out_kind < 0 || a.out_kind > 2 || a.block_m < 1 || a.block_nv < 1) {
+    PyErr_Format(PyExc_ValueError, "int8_gemm: out_kind %lld must be 0, 1 or 2 and blocks (%lld, %lld) positive",
+                 (long long)x[11], (long long)a.block_m, (long long)a.block_nv);
+    return nullptr;
+  }
+  // The kernel's own offsets: a panel's bytes, every panel, the last row of x and out, and the count of work items
+  // (row blocks x column blocks), all within int64.
+  const int64_t groups = a.k / 4 + (a.k % 4 != 0), vecs = a.n / 8 + (a.n % 8 != 0);
+  const int64_t m_blocks = a.m / a.block_m + (a.m % a.block_m != 0);
+  const int64_t n_blocks = vecs / a.block_nv + (vecs % a.block_nv != 0);
+  int64_t packed_bytes, x_end, out_end, items;
+  if (__builtin_mul_overflow(groups, int64_t(32), &a.panel) || __builtin_mul_overflow(vecs, a.panel, &packed_bytes) ||
+      __builtin_mul_overflow(a.m, a.x_rs, &x_end) || __builtin_add_overflow(x_end, a.k, &x_end) ||
+      __builtin_mul_overflow(a.m, a.out_rs, &out_end) || __builtin_add_overflow(out_end, a.n, &out_end) ||
+      __builtin_mul_overflow(m_blocks, n_blocks, &items)) {
+    PyErr_SetString(PyExc_ValueError, "int8_gemm: the operands' sizes overflow int64");
+    return nullptr;
+  }
+#ifdef TTFTC_X86
+  if (int8_vnni()) {
+    static const Kernel<Int8GemmArgs> kernels[kIsas] = {nullptr, nullptr, isa_avx512_vnni::int8_gemm,
+                                                        isa_avx512_vnni::int8_gemm};
+    return run("int8_gemm", kernels, a, x[14]);
+  }
+#endif
+  static const Kernel<Int8GemmArgs> kernels[kIsas] = TTFTC_BY_ISA(int8_gemm);
+  return run("int8_gemm", kernels, a, x[14]);
+}
+
+// The version int8_gemm runs in this process: "avx512_vnni", "avx2" (the AVX2 kernel, also under the AVX-512 ISAs
+// of a CPU without VNNI) or "base".
+PyObject* int8_gemm_isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(int8_vnni() ? "avx512_vnni" : kIsa == Isa::base ? "base" : "avx2");
+}
+
 PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(kIsa)); }
 
 // use_openmp(path) -> bool: run parallel kernels on the OpenMP runtime at `path`, which must already be loaded in
@@ -557,6 +645,8 @@ PyMethodDef kMethods[] = {
     {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form (see rope_kernel.h)."},
     {"dequant", dequant, METH_VARARGS, "int32 accumulator to float with per-row and per-column scales."},
     {"gated_quant", gated_quant, METH_VARARGS, "Dequant, act(gate) * up, int8 per row (see rows_kernel.h)."},
+    {"int8_gemm", int8_gemm, METH_VARARGS, "Exact s8 x s8 GEMM on a packed weight, int32 or dequantised."},
+    {"int8_gemm_isa", int8_gemm_isa, METH_NOARGS, "The version of int8_gemm this process runs."},
     {"isa", isa, METH_NOARGS, "The instruction set the kernels run with on this CPU."},
     {"use_openmp", use_openmp, METH_VARARGS, "Run parallel kernels on this already-loaded OpenMP runtime."},
     {"set_isa", set_isa, METH_VARARGS, "Run the kernels with another instruction set this CPU has; returns the previous."},
