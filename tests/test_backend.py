@@ -168,3 +168,60 @@ def test_config_device_that_disagrees_with_the_tensors_is_reported_not_obeyed():
         assert_logits_match(torch.compile(model, backend=backend)(ids).logits, model(ids).logits)
     assert any("Config.device='cuda'" in str(w.message) for w in caught)
     assert any("tensors are on cpu" in note for note in backend.report().notes)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_the_hooks_see_the_graph_before_any_rewrite_and_after_lowering():
+    from ttftc.dynamo_backend import TtftcBackend
+
+    seen = []
+
+    def on_aten_graph(gm, num_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        seen.append(("aten", len(placeholders), num_inputs, len([n for n in gm.graph.nodes if n.op == "get_attr"])))
+
+    def on_lowered(lowered):
+        placeholders = [n for n in lowered.graph_module.graph.nodes if n.op == "placeholder"]
+        seen.append(("lowered", len(placeholders), lowered.live_inputs, lowered.num_inputs, lowered.graph_module))
+
+    model, x = _Mlp().eval(), torch.randn(3, 8)
+    backend = TtftcBackend(ttftc.Config(passes=()), on_aten_graph=on_aten_graph, on_lowered=on_lowered)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        assert torch.equal(out, model(x))
+    # Four weights and the input reach the aten graph as placeholders; after freezing only the input is read.
+    assert seen[0] == ("aten", 5, 5, 0)
+    (kind, placeholders, live, num_inputs, gm), = seen[1:]
+    assert (kind, placeholders, len(live), num_inputs) == ("lowered", 1, 1, 5)
+    assert [gm] == backend.graph_modules  # the graph that runs, the one the backend keeps
+
+
+def test_a_hook_that_raises_ends_the_compile_with_its_exception():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from ttftc.dynamo_backend import TtftcBackend
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args):
+        raise Stop()
+
+    for hooks in ({"on_aten_graph": stop}, {"on_lowered": stop}):
+        torch._dynamo.reset()
+        backend = TtftcBackend(ttftc.Config(passes=()), **hooks)
+        with torch.no_grad(), pytest.raises(BackendCompilerFailed) as failed:
+            torch.compile(_Mlp().eval(), backend=backend, fullgraph=True)(torch.randn(3, 8))
+        assert isinstance(failed.value.inner_exception, Stop)
+        # Raised before the passes ran, nothing was reported; after lowering, the graph was.
+        assert len(backend.reports) == (0 if "on_aten_graph" in hooks else 1)
+

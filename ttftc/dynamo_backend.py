@@ -2,11 +2,17 @@
 
 `torch.compile(model, backend="ttftc")` finds `ttftc_backend` through the `torch_dynamo_backends` entry point
 with the default Config; `ttftc.backend(Config(...))` gives a configured one.
+
+Two hooks let a caller see the graphs of the eager code generator without subclassing the backend (the bucket
+capture uses them): `on_aten_graph` gets each functional aten graph before anything rewrites it, `on_lowered`
+each graph after the passes and lowering. Either may raise to end the compile there: Dynamo then raises
+BackendCompilerFailed with that exception as `inner_exception`, installs nothing and runs nothing.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -29,15 +35,41 @@ def _needs_autograd(example_inputs: Sequence) -> bool:
     )
 
 
-class TtftcBackend:
-    """A configured backend. Keeps one Report per graph it compiled."""
+@dataclass(frozen=True)
+class LoweredGraph:
+    """What `on_lowered` receives: one graph the eager code generator will run.
 
-    def __init__(self, config: Optional[Config] = None, *, autotune_cache=None):
+    graph_module: the aten graph after the passes and lowering, the weights frozen into it as constants.
+    live_inputs:  the positions, among the flat inputs AOTAutograd passes, of those the graph reads.
+    num_inputs:   how many flat inputs AOTAutograd passes (more than Dynamo's where it flattened a tensor
+                  subclass, so positions only line up with Dynamo's inputs when the two counts agree).
+    """
+
+    graph_module: fx.GraphModule
+    live_inputs: tuple[int, ...]
+    num_inputs: int
+
+
+class TtftcBackend:
+    """A configured backend. Keeps one Report per graph it compiled.
+
+    on_aten_graph(aten_gm, num_inputs): called with each functional aten graph AOTAutograd hands over (its
+        placeholders are the flat inputs, weights included), before weights are frozen and passes run.
+    on_lowered(LoweredGraph): called with each graph once its passes and lowering are done, before it runs
+        (again for the graph a new set of weights gets, see _WeightGuard).
+    Both are for codegen="eager" (Inductor owns the graph otherwise); either may raise to end the compile.
+    """
+
+    def __init__(self, config: Optional[Config] = None, *, autotune_cache=None,
+                 on_aten_graph: Optional[Callable[[fx.GraphModule, int], None]] = None,
+                 on_lowered: Optional[Callable[[LoweredGraph], None]] = None):
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"ttftc.backend expects a ttftc.Config, got {type(config).__name__}")
         self.config = config or Config()
         # Where tuned kernel configs are read from (an AutotuneCache); None: the default autotune cache.
         self.autotune_cache = autotune_cache
+        self.on_aten_graph = on_aten_graph
+        self.on_lowered = on_lowered
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []  # the lowered graphs, for autotune and inspection
 
@@ -77,6 +109,8 @@ class TtftcBackend:
         # AOTAutograd calls us inside its FakeTensorMode; passes work on real weights (concatenate, quantize),
         # so the fake mode is lifted here and re-entered only where meta values are computed.
         with unset_fake_temporarily():
+            if self.on_aten_graph is not None:
+                self.on_aten_graph(aten_gm, num_aot_inputs)
             return self._compile_real(aten_gm, inputs, num_aot_inputs)
 
     def _compile_real(self, aten_gm: fx.GraphModule, inputs: FlatInputs, num_aot_inputs: int) -> Callable:
@@ -122,6 +156,8 @@ class TtftcBackend:
             notes.append(mismatch)
         self.reports.append(run_pipeline(aten_gm, self.config, autotune_cache=self.autotune_cache, notes=notes))
         self.graph_modules.append(aten_gm)
+        if self.on_lowered is not None:
+            self.on_lowered(LoweredGraph(aten_gm, tuple(live), num_aot_inputs))
         return _boxed(aten_gm, live)
 
 

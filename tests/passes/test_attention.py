@@ -19,13 +19,8 @@ class RecordingBackend(TtftcBackend):
     """A ttftc backend that keeps every compiled aten graph, to read the fused ops' parameters."""
 
     def __init__(self, config):
-        super().__init__(config)
+        super().__init__(config, on_lowered=lambda lowered: self.graphs.append(lowered.graph_module))
         self.graphs = []
-
-    def _compile_real(self, aten_gm, inputs, num_aot_inputs):
-        result = super()._compile_real(aten_gm, inputs, num_aot_inputs)
-        self.graphs.append(aten_gm)
-        return result
 
     def fused(self) -> list[dict]:
         return [

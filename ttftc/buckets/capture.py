@@ -1,9 +1,9 @@
 """Capture one prefill graph per bucket shape, as a plain aten GraphModule that runs without Dynamo.
 
 Dynamo traces a small adapter around the model (tensors in, a flat tuple of tensors out), AOTAutograd turns it
-into the functional aten graph, and the ttftc backend runs its passes and lowering on it. The backend here
-then stops the compile by raising: Dynamo installs no cache entry and never runs the graph, and we keep the
-transformed aten graph. Calling that graph directly is what makes the serving path free of recompiles: there
+into the functional aten graph, and the ttftc backend runs its passes and lowering on it. The backend's
+`on_lowered` hook then keeps the transformed aten graph and stops the compile by raising: Dynamo installs no
+cache entry and never runs the graph. Calling that graph directly is what makes the serving path free of recompiles: there
 is no guard to fail and no frame to re-trace, whatever length comes in.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.exc import BackendCompilerFailed
 
-from ttftc.dynamo_backend import TtftcBackend
+from ttftc.dynamo_backend import LoweredGraph, TtftcBackend
 from ttftc.buckets.plan import BucketPlan, plan_from_graph, refused
 from ttftc.buckets.program import GraphProgram, GraphSignature, output_names
 from ttftc.config import Config
@@ -95,18 +95,26 @@ class _Captured(Exception):
 _SOURCE = re.compile(r"^L\['(\w+)'\]$")
 
 
-class _CaptureBackend(TtftcBackend):
-    """The ttftc backend, plus: remembers which graph input is which, and stops after compiling."""
+class _CaptureBackend:
+    """The ttftc backend, plus: remembers which graph input is which, and stops once it has what it needs.
+
+    observe(aten_gm, names) sees the functional aten graph before any rewrite; with compile_graph the graph is
+    also compiled and kept (graph, live). Either way the compile ends there, through the backend's hooks.
+    """
 
     def __init__(self, config: Config, *, observe: Optional[Callable] = None, compile_graph: bool = True):
         # The capture decides itself which sizes are symbolic (a static bucket, or the plan's symbolic length).
-        super().__init__(config.replace(dynamic_shapes="dynamo"))
+        self.backend = TtftcBackend(config.replace(dynamic_shapes="dynamo"), on_aten_graph=self._on_aten_graph,
+                                    on_lowered=self._on_lowered)
         self.observe = observe
         self.compile_graph = compile_graph
         self.flat_names: list[Optional[str]] = []
         self.graph: Optional[fx.GraphModule] = None
         self.live: tuple[int, ...] = ()
         self.aot_input_count: Optional[int] = None
+
+    def report(self) -> Report:
+        return self.backend.report()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         own = len(dict(gm.named_parameters(remove_duplicate=False)))
@@ -118,17 +126,19 @@ class _CaptureBackend(TtftcBackend):
                 match = _SOURCE.match(arg.source.name) if arg is not None and arg.source is not None else None
                 names.append(match.group(1) if match else None)
         self.flat_names = names
-        return super().__call__(gm, example_inputs)
+        return self.backend(gm, example_inputs)
 
-    def _compile_real(self, aten_gm: fx.GraphModule, inputs, num_aot_inputs: int) -> Callable:
+    def _on_aten_graph(self, aten_gm: fx.GraphModule, num_aot_inputs: int) -> None:
         if self.observe is not None:
             names = self.flat_names if num_aot_inputs == len(self.flat_names) else [None] * num_aot_inputs
             self.observe(aten_gm, names)
-        if self.compile_graph:
-            self.aot_input_count = num_aot_inputs
-            run = super()._compile_real(aten_gm, inputs, num_aot_inputs)
-            self.graph = run.graph_module
-            self.live = tuple(run.live_inputs)
+        if not self.compile_graph:
+            raise _Captured()
+
+    def _on_lowered(self, lowered: LoweredGraph) -> None:
+        self.aot_input_count = lowered.num_inputs
+        self.graph = lowered.graph_module
+        self.live = lowered.live_inputs
         raise _Captured()
 
 
