@@ -11,10 +11,12 @@ from ttftc.bench.devices import all_devices, get_device
 from ttftc.bench.prediction import format_prediction, predict
 
 
-def test_the_four_devices_and_their_dense_peaks():
-    assert set(all_devices()) == {"a100", "h100", "mi300x", "910b"}
+def test_the_five_devices_and_their_dense_peaks():
+    assert set(all_devices()) == {"a100", "h100", "h200", "mi300x", "910b"}
     h100 = get_device("h100")
     assert h100.peak_tflops["bf16"] == 989.5 and h100.bandwidth_gb_s == 3350.0
+    # The H200 is an H100's compute with more, faster memory.
+    assert get_device("h200").peak_tflops == h100.peak_tflops and get_device("h200").bandwidth_gb_s == 4800.0
     assert get_device("a100").peak_tflops["bf16"] == 312.0
     assert get_device("mi300x").bandwidth_gb_s == 5300.0
     for d in all_devices().values():
@@ -29,8 +31,19 @@ def test_a_missing_peak_is_stood_in_for_and_said():
 
 
 def test_unknown_device_names_the_known_ones():
-    with pytest.raises(ValueError, match="a100, h100, mi300x, 910b"):
+    with pytest.raises(ValueError, match="a100, h100, h200, mi300x, 910b"):
         get_device("v100")
+
+
+@pytest.mark.parametrize("reported,key", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("AMD Instinct MI300X", "mi300x"),
+    # boards with lower peaks than the SXM parts the table lists, and GPUs it does not list
+    ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("Tesla V100-SXM2-16GB", None), ("NVIDIA H1000", None),
+])
+def test_a_gpu_is_found_by_the_name_torch_reports(reported, key):
+    spec = devices_module.device_for_name(reported)
+    assert (spec.key if spec else None) == key
 
 
 def test_malformed_device_data_is_refused(monkeypatch, tmp_path):

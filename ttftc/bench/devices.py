@@ -72,6 +72,22 @@ def all_devices() -> dict[str, DeviceSpec]:
     return {key: _parse(key, entry) for key, entry in data["devices"].items()}
 
 
+# Words in torch.cuda.get_device_name() that identify a device of devices.json ("NVIDIA H100 80GB HBM3").
+# Only the SXM parts are listed: a PCIe or NVL board of the same name has lower peaks, so a name that says
+# PCIe or NVL matches nothing rather than a wrong row.
+_NAME_WORDS = {"a100": "A100", "h100": "H100", "h200": "H200", "mi300x": "MI300X"}
+_OTHER_BOARDS = ("PCIE", "NVL")
+
+
+def device_for_name(device_name: str) -> Optional[DeviceSpec]:
+    """The devices.json entry a GPU's reported name is, or None when none matches it exactly enough."""
+    words = device_name.upper().replace("-", " ").split()
+    if any(board in word for word in words for board in _OTHER_BOARDS):
+        return None
+    matches = [key for key, word in _NAME_WORDS.items() if word in words]
+    return all_devices()[matches[0]] if len(matches) == 1 else None
+
+
 def get_device(key: str) -> DeviceSpec:
     devices = all_devices()
     if key not in devices:

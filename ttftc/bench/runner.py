@@ -11,6 +11,11 @@ Order of a run (all inside `torch.inference_mode()`, with every compile cache in
    `unseen_len_first_call_s`, the cost of a prompt length the process has not met (a recompile, or not).
 5. First calls with cold caches, each in a fresh process (cold_start.py), once the models here are freed.
 A variant that raises at some length is recorded as failed at that length, with the reason; the others go on.
+
+On CUDA every in-process time is taken with CUDA events (timing.DeviceClock), the measured requests' TTFTs too,
+except for workloads with arrival times, whose TTFT includes waiting in the queue: only the host clock sees that.
+Each row on a GPU that devices.json knows also carries the bound from the GPU's published peak, next to the bound
+from the GEMM peak measured in the run.
 """
 
 from __future__ import annotations
@@ -35,13 +40,15 @@ from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 
 from ttftc.bench.ablation import AblationStep, ablation_steps
 from ttftc.bench.caches import fresh_cache_dirs
+from ttftc.bench.devices import DeviceSpec, device_for_name
 from ttftc.bench.errors import BenchInputError
 from ttftc.bench.models import ModelSource, ModelSpec, example_prompt, max_positions, model_config, resolve_model
 from ttftc.bench.progress import Progress
 from ttftc.bench.roofline import GemmPeak, PeakMeter, bound_ms, describe_prefill, prefill_flops
-from ttftc.bench.timing import summarize_ms, time_call
+from ttftc.bench.timing import DeviceClock, summarize_ms, time_call
 from ttftc.bench.variants import DEFAULT_VARIANTS, Prepared, Variant, autotune_cache_for_variants, get_variant
-from ttftc.bench.workloads import DEFAULT_WORKLOAD, ServeTarget, Workload, WorkloadContext, get_workload
+from ttftc.bench.workloads import (DEFAULT_WORKLOAD, Request, Server, ServeTarget, Workload, WorkloadContext,
+                                   get_workload)
 
 SCHEMA_VERSION = 1
 FIRST_CALL_MODES = ("subprocess", "in-process", "skip")
@@ -242,8 +249,8 @@ def _measure_length(
             for w in range(s.warmup):
                 progress.step(f"{name} warm-up at {seq}")
                 ctx = WorkloadContext(seq=seq, vocab_size=vocab, seed=1_000_000 + w, device=s.device)
-                p.workload.replay(p.workload.requests(ctx), p.workload.make_server(_target(name, built, s.device)),
-                                  device=s.device)
+                _replay(p.workload, p.workload.requests(ctx), p.workload.make_server(_target(name, built, s.device)),
+                        s.device)
             alive.append(name)
         except Exception as exc:
             cell.status = f"failed: {_reason(exc)}"
@@ -260,13 +267,36 @@ def _measure_length(
             built = prepared[name]
             try:
                 server = p.workload.make_server(_target(name, built, s.device))
-                cell.samples.extend(p.workload.replay(p.workload.requests(ctx), server, device=s.device))
+                cell.samples.extend(_replay(p.workload, p.workload.requests(ctx), server, s.device))
             except Exception as exc:
                 cell.status = f"failed: {_reason(exc)}"
                 progress.note(f"{name} at {seq}: {cell.status}")
     for name in prepared:
         if name not in alive:
             progress.step(n=s.repeats)  # keep the bar's total honest for variants that fell out
+
+
+def _replay(workload: Workload, requests: list[Request], server: Server, device: str) -> list[float]:
+    """The measured requests' TTFTs in seconds: the workload's own replay, its times taken by the device's clock.
+
+    Requests issued back to back through the default one-at-a-time replay are timed one by one with DeviceClock
+    (CUDA events on CUDA). With arrival times the replay's host clock stands, since queueing is part of those
+    TTFTs; so do the clocks of a workload with its own replay (its server is not a plain callable to wrap).
+    """
+    clock = DeviceClock(device)
+    own_replay = type(workload).replay is not Workload.replay
+    if not clock.uses_cuda_events or own_replay or any(r.arrival_s is not None for r in requests):
+        return workload.replay(requests, server, device=device)
+    spans: list[tuple[bool, float]] = []
+
+    def timed(request: Request):
+        mark = clock.start()
+        out = server(request)
+        spans.append((request.measured, clock.stop(mark)))
+        return out
+
+    workload.replay(requests, timed, device=device)
+    return [seconds for measured, seconds in spans if measured]
 
 
 def _measure_unseen(p: _Plan, seq: int, unseen: int, vocab: int, prepared: dict, cells: dict, progress) -> None:
@@ -339,6 +369,13 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def _published_device(device: str) -> Optional[DeviceSpec]:
+    """The devices.json entry of the GPU this run is on, whose data-sheet peaks give a second roofline bound."""
+    if torch.device(device).type != "cuda":
+        return None
+    return device_for_name(_device_name(device))
+
+
 def _versions() -> dict[str, Optional[str]]:
     import importlib.metadata as md
 
@@ -356,6 +393,7 @@ def _versions() -> dict[str, Optional[str]]:
 def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, details, elapsed_s: float,
               autotune_dir: Optional[str] = None) -> dict:
     s = p.settings
+    gpu = _published_device(s.device)
     results = []
     for variant in p.variants:
         for seq in s.seqs:
@@ -382,10 +420,14 @@ def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, de
             }
             if cell.first_call_error:
                 row["first_call_error"] = cell.first_call_error
+            if gpu is not None:
+                row["published_bound_ms"] = flops / gpu.peak_flops(variant.dtype)[0] * 1e3
             if cell.ok and cell.samples:
                 row.update(summarize_ms(cell.samples))
                 if bound is not None:
                     row["efficiency"] = bound / row["ttft_ms_p50"]
+                if gpu is not None:
+                    row["published_efficiency"] = row["published_bound_ms"] / row["ttft_ms_p50"]
             if variant.name in details:
                 row["details"] = details[variant.name]
             results.append(row)
@@ -408,7 +450,10 @@ def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, de
             "first_call": s.first_call,
             "prefill": PREFILL_DESCRIPTION,
             "autotune_cache": autotune_dir,
+            "timing": DeviceClock(s.device).name,
         },
+        "published_peak": None if gpu is None else {
+            "device": gpu.key, "name": gpu.name, "tflops": gpu.peak_tflops, "source": gpu.source},
         "peak": {d: pk.gflops for d, pk in peaks.items()},
         "peak_details": {
             d: {"unit": "GOP/s" if d == "int8" else "GFLOP/s", "op": pk.op, "size": pk.size, "samples": pk.samples,

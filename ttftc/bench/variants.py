@@ -4,6 +4,9 @@
     eager-attn     Hugging Face "eager" attention (matmul, softmax, matmul)
     inductor       torch.compile default (Inductor), fp32
     inductor-bf16  torch.compile default on the model converted to bf16
+    inductor-max-autotune  torch.compile(mode="max-autotune"): Triton GEMM templates tuned per shape and, on
+                   CUDA, CUDA graphs; likewise inductor-max-autotune-bf16. eager-sdpa-bf16: eager in bf16.
+                   Asked for by name (max-autotune spends minutes tuning)
     torchao-int8   torchao Int8DynamicActivationInt8WeightConfig (every linear, lm_head included), under Inductor;
                    skipped when torchao is not installed
     ttftc-fp32     torch.compile with ttftc.backend(Config(precision="fp32")); likewise ttftc-auto, ttftc-bf16,
@@ -67,10 +70,29 @@ def _eager(attn: str) -> Callable[[ModelSource], Prepared]:
     return build
 
 
+def _eager_bf16(source: ModelSource) -> Prepared:
+    return Prepared(source.instance(dtype=torch.bfloat16))
+
+
 def _inductor(dtype: torch.dtype, attn: str = "sdpa") -> Callable[[ModelSource], Prepared]:
     def build(source: ModelSource) -> Prepared:
         compiled = torch.compile(source.instance(dtype=dtype, attn=attn))
         return Prepared(compiled)
+
+    return build
+
+
+def _inductor_max_autotune(dtype: torch.dtype) -> Callable[[ModelSource], Prepared]:
+    def build(source: ModelSource) -> Prepared:
+        compiled = torch.compile(source.instance(dtype=dtype), mode="max-autotune")
+
+        def call(**kwargs: Any) -> Any:
+            # On CUDA this mode replays CUDA graphs whose outputs the next replay overwrites; marking each
+            # prefill a new step tells the graph tree the previous outputs are dead (the bench drops them).
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(**kwargs)
+
+        return Prepared(call)
 
     return build
 
@@ -160,6 +182,11 @@ VARIANTS: dict[str, Variant] = {
                 _inductor(torch.float32, "eager"), compiles=True),
         Variant("inductor-bf16", "bf16", "torch.compile (Inductor), model in bf16", _inductor(torch.bfloat16),
                 compiles=True),
+        Variant("eager-sdpa-bf16", "bf16", "eager, SDPA attention, model in bf16", _eager_bf16),
+        Variant("inductor-max-autotune", "fp32", 'torch.compile(mode="max-autotune"), fp32',
+                _inductor_max_autotune(torch.float32), compiles=True),
+        Variant("inductor-max-autotune-bf16", "bf16", 'torch.compile(mode="max-autotune"), model in bf16',
+                _inductor_max_autotune(torch.bfloat16), compiles=True),
         Variant("torchao-int8", "int8", "torchao int8 dynamic activation + int8 weight, Inductor", _torchao_int8,
                 compiles=True, skip_reason=_torchao_missing),
         Variant("ttftc-auto", _auto_dtype(), "ttftc, precision auto (bf16 where native, else fp32)",
@@ -176,6 +203,9 @@ VARIANTS: dict[str, Variant] = {
 # inductor-attn exists for the attention comparison (issue 4) and stays out of the default run; the llama.cpp
 # peers need an optional extra and are asked for by name.
 DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name != "inductor-attn" and not name.startswith("llamacpp-"))
+# Peers of GPU runs (scripts/device_check.sh), asked for by name: max-autotune spends minutes tuning.
+GPU_PEERS = ("eager-sdpa-bf16", "inductor-max-autotune", "inductor-max-autotune-bf16")
+DEFAULT_VARIANTS = tuple(name for name in DEFAULT_VARIANTS if name not in GPU_PEERS)
 
 
 def ttftc_spec(passes: tuple[str, ...] | str, precision: str = "fp32") -> str:
