@@ -9,6 +9,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import warnings
 
 import torch
 
@@ -45,21 +46,38 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.fixture
-def pin_int8_gemm(monkeypatch):
-    """`pin(name, refused)` makes the CPU int8 lowerings see `name` as this process's measured int8 GEMM (and
-    `refused` as the candidates refused here), as on a CPU whose measurement chose it."""
+def _set_int8_gemm_choice(choice) -> None:
+    """Make `int8_linear.int8_gemm_choice()` (a functools.cache) answer `choice`, for every holder of the function:
+    modules that imported it by name see the pin too, whenever they were imported."""
     from ttftc.codegen.cpu import int8_linear
-    from ttftc.codegen.inductor import int8_linear as inductor_int8
+
+    int8_linear.int8_gemm_choice.cache_clear()
+    measure = int8_linear.measure
+    int8_linear.measure = lambda *args, **kwargs: choice
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the warning for an fp32 choice is the real measurement's to give
+            int8_linear.int8_gemm_choice()
+    finally:
+        int8_linear.measure = measure
+
+
+@pytest.fixture
+def pin_int8_gemm():
+    """`pin(name, refused)` makes the CPU int8 lowerings see `name` as this process's measured int8 GEMM (and
+    `refused` as the candidates refused here), as on a CPU whose measurement chose it; the real one comes back after."""
+    from ttftc.codegen.cpu import int8_linear
     from ttftc.codegen.cpu.int8_gemm_choice import Int8GemmChoice
+
+    measured = int8_linear.int8_gemm_choice()  # measured once per session, restored after every pin
 
     def pin(name: str | Int8GemmChoice, refused: dict | None = None) -> Int8GemmChoice:
         choice = name if isinstance(name, Int8GemmChoice) else Int8GemmChoice(name, (1, 1, 1), {}, refused or {})
-        monkeypatch.setattr(int8_linear, "int8_gemm_choice", lambda: choice)
-        monkeypatch.setattr(inductor_int8, "int8_gemm_choice", lambda: choice)
+        _set_int8_gemm_choice(choice)
         return choice
 
-    return pin
+    yield pin
+    _set_int8_gemm_choice(measured)
 
 
 @pytest.fixture(params=("int_mm", "onednn_u8", "native_avx2", "fp32"))

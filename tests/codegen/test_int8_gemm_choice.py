@@ -213,8 +213,6 @@ _CAPPED_RUN = """
 import json, torch
 from ttftc.codegen.cpu import _native, int8_linear as cpu
 from ttftc.ops.int8_linear import int8_linear, quantize_per_token
-if _native.isa():
-    _native.set_isa("avx2")
 choice = cpu.int8_gemm_choice()
 torch.manual_seed(0)
 x = torch.randn(40, 256)
@@ -222,7 +220,8 @@ w, s = quantize_per_token(torch.randn(64, 256) * 0.1)
 expected = int8_linear.reference(x, None, w, s, out_dtype=torch.float32)
 errors = {name: float((cpu.int8_linear_cpu(x, None, w, s, out_dtype=torch.float32, tuning_config={"gemm": name})
                        - expected).abs().max()) for name in cpu.GEMMS if choice.usable(name)}
-print(json.dumps({"gemm": choice.gemm, "refused": choice.refused, "errors": errors, "isa": _native.isa()}))
+print(json.dumps({"gemm": choice.gemm, "refused": choice.refused, "errors": errors, "isa": _native.isa(),
+                  "native": _native.unavailable_reason() is None}))
 """
 
 
@@ -232,12 +231,13 @@ def test_the_choice_under_onednn_capped_at_avx2_runs_only_exact_gemms():
     import subprocess
     import sys
 
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "TTFTC_NATIVE_ISA": "avx2"}
     run = subprocess.run([sys.executable, "-c", _CAPPED_RUN], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["gemm"] not in result["refused"] and result["gemm"] in result["errors"]
     assert all(error < 1e-4 for error in result["errors"].values()), result
+    assert not result["native"] or result["isa"] == "avx2"  # the whole process ran the AVX2 kernels
 
 
 def test_explain_names_the_int8_gemm_chosen_here_and_only_for_int8():

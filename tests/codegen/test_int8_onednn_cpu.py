@@ -7,11 +7,20 @@ import torch
 
 from ttftc.autotune.space import Problem, space_for
 from ttftc.codegen.cpu import int8_linear as cpu_int8
+from ttftc.codegen.cpu.int8_gemm_choice import FP32, choose
 from ttftc.ops.int8_linear import quantize_per_token
 
 # Unavailable in this build, or measured inexact on this CPU (no VNNI: int8_gemm_choice.py): refused either way.
 _REFUSED = cpu_int8.int8_gemm_choice().refused.get("onednn_u8")
 pytestmark = pytest.mark.skipif(_REFUSED is not None, reason=f"onednn_u8 refused here: {_REFUSED}")
+
+
+@pytest.fixture(autouse=True)
+def u8_usable_and_int_mm_default(pin_int8_gemm):
+    """Pin a measurement in which _int_mm is the default and the u8 GEMM beats fp32, so a tuned "onednn_u8" runs
+    the u8 path and the default runs _int_mm: on a loaded machine the real measurement may rank them otherwise,
+    and a u8 knob measured slower than fp32 falls back to the default, which would compare a path with itself."""
+    pin_int8_gemm(choose({FP32: 3.0, "int_mm": 1.0, "onednn_u8": 2.0}, cpu_int8.int8_gemm_choice().refused, (1, 1, 1)))
 
 
 def _operands(m=37, k=64, n=48, seed=0):

@@ -4,6 +4,9 @@ run, chosen where it beats fp32, and a whole int8 model through it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -218,3 +221,17 @@ def test_a_tiny_int8_model_through_the_native_gemm_agrees_with_fp32(monkeypatch,
     assert calls, "the native GEMM never ran"
     assert torch.equal(actual.argmax(-1), expected.argmax(-1))
     torch.testing.assert_close(actual, expected, atol=0.05 * float(expected.abs().max()), rtol=0)
+
+
+def test_the_environment_forces_the_native_isa_for_a_whole_process():
+    if _native.unavailable_reason() is not None:
+        pytest.skip(_native.unavailable_reason())
+    probe = "from ttftc.codegen.cpu import _native; print(_native.isa(), _native.int8_gemm_isa(), _native.unavailable_reason())"
+    for forced in ("avx2", "base"):
+        run = subprocess.run([sys.executable, "-c", probe], env={**os.environ, _native.ISA_ENV: forced},
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.split() == [forced, forced, "None"]
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], env={**os.environ, _native.ISA_ENV: "avx9"},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "TTFTC_NATIVE_ISA='avx9': unknown instruction set avx9" in run.stdout

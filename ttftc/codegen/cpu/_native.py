@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import os
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -23,6 +25,9 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
+# Runs every native kernel with an instruction set below the CPU's best ("avx2" or "base"), in a whole process: how
+# a benchmark or a test measures an AVX2-only CPU's paths on a newer one (set_isa does the same for one test).
+ISA_ENV = "TTFTC_NATIVE_ISA"
 # Head dims the attention kernel takes: its register tiles cover 8 output columns at a time on every ISA.
 ATTENTION_DIM_MULTIPLE = 8
 # Keys per attention block: the kernel visits min(block_k, keys left) at a time, so a block_k past the keys is one
@@ -54,6 +59,14 @@ def _load() -> tuple[Optional[ModuleType], Optional[str]]:
     runtime = _loaded_openmp()
     if runtime is not None:
         module.use_openmp(runtime)
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        try:
+            module.set_isa(forced)
+        except (ValueError, RuntimeError) as exc:
+            reason = f"{ISA_ENV}={forced!r}: {exc}; set a valid one, or unset it to run the CPU's best"
+            warnings.warn(f"ttftc native kernels are off: {reason}", stacklevel=2)
+            return None, reason
     return module, None
 
 
