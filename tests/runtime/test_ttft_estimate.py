@@ -210,3 +210,16 @@ def test_the_view_holds_aged_priorities_remaining_tokens_and_decodes():
     assert [(p.priority, p.remaining) for p in s.view.prefills] == [(0, 18), (1, 10), (5, 12)]
     s.cancel(0)  # prompt 1: now prompt 3's priority is the best there is, and it ages no further
     assert [(p.priority, p.remaining) for p in s.view.prefills] == [(2, 10), (5, 12)]
+
+
+def test_a_steps_time_outside_its_forwards_is_tracked_and_replayed_per_step():
+    model = exact_model()
+    for _ in range(200):
+        model.observe_step(total_s=0.030, forwards_s=0.020)  # 10 ms per step beyond the forwards
+    assert model.step_overhead_s == pytest.approx(0.010, rel=1e-3)
+    assert model.coefficients()["overhead_s"] == model.step_overhead_s
+    shape = StepShape(token_budget=64, chunk_size=32, min_chunk=8)
+    estimate = simulate(model, QueueView(decoding=(5,)), shape, QueuedPrefill(0, 64, 0, 0), now=0.0)
+    # Two steps (32 tokens each, beside one decode): each pays its overhead once.
+    assert estimate.ttft_s == pytest.approx(2 * (0.010 + true_decode(1)) + true_prefill(32, 0) + true_prefill(32, 32),
+                                            rel=1e-4)

@@ -198,6 +198,7 @@ class StepScheduler:
         self._arrivals = itertools.count()
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self.view = QueueView()
+        self._forwards_s = 0.0  # this step's forwards, timed; the rest of the step is overhead (ttft_estimate)
 
     # ---- state -----------------------------------------------------------------------------------------------------
 
@@ -284,6 +285,7 @@ class StepScheduler:
     def step(self) -> StepStats:
         finished: list = []
         emitted: list = []
+        step_started, self._forwards_s = self.clock(), 0.0
         if self._running:
             rows = min(len(self._running), self.token_budget)
             self._publish_view(ends_at=self.clock() + self.cost_model.decode_s(rows))
@@ -299,9 +301,16 @@ class StepScheduler:
         for item in admitted:  # only a prefill that could have run and got no budget is being skipped
             item.skipped_steps = 0 if id(item) in served else item.skipped_steps + 1
         self._publish_view()
+        if decode_tokens or plan:
+            self.cost_model.observe_step(self.clock() - step_started, self._forwards_s)
         return StepStats(decode_tokens, sum(n for _, n in plan), tuple(finished), tuple(emitted), batched_rows)
 
     # ---- the TTFT estimate -----------------------------------------------------------------------------------------
+
+    def _observe(self, observe, rows, started: float) -> None:
+        seconds = self.clock() - started
+        self._forwards_s += seconds
+        observe(rows, seconds)
 
     @property
     def shape(self) -> StepShape:
@@ -337,7 +346,7 @@ class StepScheduler:
         except Exception as exc:  # the engine isolates rows; this is a bug in it: fail the batch, not the step
             results = [exc] * len(batch)
         else:
-            self.cost_model.observe_decode(len(rows), self.clock() - started)
+            self._observe(self.cost_model.observe_decode, len(rows), started)
         count = 0
         for run, result in zip(batch, results):
             if not any(run is live for live in self._running):
@@ -424,7 +433,7 @@ class StepScheduler:
                 except Exception as exc:
                     results = self._rows_after_failure(together, exc)
                 else:
-                    self.cost_model.observe_prefill([(k, 0) for _, k in together], self.clock() - started)
+                    self._observe(self.cost_model.observe_prefill, [(k, 0) for _, k in together], started)
                 for (it, _), first in zip(together, results):
                     if isinstance(first, Exception):
                         self._fail_prefill(it, first, finished)
@@ -438,7 +447,7 @@ class StepScheduler:
             except Exception as exc:
                 self._fail_prefill(item, exc, finished)
                 continue
-            self.cost_model.observe_prefill([(n, context)], self.clock() - started)
+            self._observe(self.cost_model.observe_prefill, [(n, context)], started)
             self._after_prefill(item, first, finished, emitted)
         return len(together) if len(together) > 1 else 0
 

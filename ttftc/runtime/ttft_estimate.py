@@ -13,7 +13,10 @@ The cost of one prefill forward is fitted as
 
 over its rows (n new tokens after ctx tokens already in the KV: each new token attends to the context and, on
 average, to half of the new tokens). So a cached prefix makes a prompt cheaper by its tokens' own cost, not to
-nothing: its KV is still read by every new token. A decode step costs `step + row * rows`. Both are least-squares
+nothing: its KV is still read by every new token. A decode step costs `step + row * rows`. What a step spends
+outside its forwards (publishing prompts' KV to the prefix cache, sampling, the scheduler itself, waiting for the
+GIL that the HTTP server's thread holds) is tracked apart, as a moving average per step: on a busy 2-core server it
+is a sizeable share of a step, and leaving it out made the estimates 10-20% short. Both are least-squares
 fits over exponentially forgotten measurements (the machine's load changes, and the most recent forwards say most
 about the next), regularised toward a prior made of a few pseudo-measurements of a small model on a small CPU, so
 that the first estimates are sane and one odd measurement cannot swing the fit.
@@ -40,6 +43,8 @@ from typing import Optional, Sequence
 # conditioned whatever the prompt lengths.
 _TOKENS = 1e-3
 _ATTEND = 1e-6
+# The moving average of a step's time outside its forwards follows this share of each new step.
+_OVERHEAD_ALPHA = 0.05
 # A replay never runs more steps than this (a prompt of the largest context in 1-token chunks stays far below it).
 _MAX_STEPS = 200_000
 
@@ -159,6 +164,7 @@ class CostModel:
         decode_points = [((1.0, float(rows)), prior.step_s + prior.row_s * rows) for rows in (1, 8, 32)]
         self._prefill = _OnlineLeastSquares(prefill_points, prior.weight, prior.decay)
         self._decode = _OnlineLeastSquares(decode_points, prior.weight, prior.decay)
+        self.step_overhead_s = 0.0  # one float, replaced whole: readers on other threads see one value or the next
 
     @property
     def prefill_measurements(self) -> int:
@@ -173,7 +179,7 @@ class CostModel:
         forward, token, attend = self._prefill.coef
         step, row = self._decode.coef
         return {"forward_s": forward, "token_s": token * _TOKENS, "attend_s": attend * _ATTEND, "step_s": step,
-                "row_s": row}
+                "row_s": row, "overhead_s": self.step_overhead_s}
 
     def observe_prefill(self, rows: Sequence[tuple[int, int]], seconds: float) -> None:
         """One prefill forward took `seconds`; `rows` are its prompts' (new tokens, tokens already in the KV)."""
@@ -185,6 +191,13 @@ class CostModel:
         if rows < 1 or not (seconds > 0 and math.isfinite(seconds)):
             return
         self._decode.observe((1.0, float(rows)), seconds)
+
+    def observe_step(self, total_s: float, forwards_s: float) -> None:
+        """A step took `total_s`, of which its timed forwards took `forwards_s`."""
+        if not (total_s > 0 and math.isfinite(total_s) and math.isfinite(forwards_s)):
+            return
+        overhead = max(0.0, total_s - forwards_s)
+        self.step_overhead_s += _OVERHEAD_ALPHA * (overhead - self.step_overhead_s)
 
     def prefill_s(self, n: int, ctx: int) -> float:
         """Predicted seconds of one forward of `n` new tokens after `ctx` tokens of KV."""
@@ -262,6 +275,7 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
         if not items:
             break
         rows = min(len(decoding), budget_all)
+        t += model.step_overhead_s
         if rows:
             t += model.decode_s(rows)
             decoding = [d - 1 for d in decoding[:rows] if d > 1] + decoding[rows:]

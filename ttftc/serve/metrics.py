@@ -66,8 +66,8 @@ class ServerMetrics:
               registry=r).set_function(pinned_prompts)
         if cost_terms is not None:
             cost = Gauge("ttftc_cost_model", "The TTFT cost model's fit: seconds per prefill forward, token, token x "
-                         "context token; per decode step and row", ["term"], registry=r)
-            for term in ("forward_s", "token_s", "attend_s", "step_s", "row_s"):
+                         "context token; per decode step and row; per step outside its forwards", ["term"], registry=r)
+            for term in ("forward_s", "token_s", "attend_s", "step_s", "row_s", "overhead_s"):
                 cost.labels(term).set_function(lambda term=term: cost_terms()[term])
 
     def finished(self, completion) -> None:
