@@ -225,3 +225,44 @@ def test_a_hook_that_raises_ends_the_compile_with_its_exception():
         # Raised before the passes ran, nothing was reported; after lowering, the graph was.
         assert len(backend.reports) == (0 if "on_aten_graph" in hooks else 1)
 
+def test_a_compile_imports_every_listed_provider_and_no_kernel_tooling():
+    # In a fresh interpreter: the kernel tooling (catalog, AOT kernel checks, the triton-ascend venv builder) is for
+    # `ttftc kernels` and explain, never for a compile.
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from ttftc.codegen.lowering import PROVIDER_MODULES
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.norm, self.proj = torch.nn.RMSNorm(16), torch.nn.Linear(16, 16)
+
+            def forward(self, x):
+                return self.proj(self.norm(x))
+
+        model = Block().eval()
+        with torch.no_grad():
+            torch.compile(model, backend="ttftc")(torch.randn(1, 5, 16))
+        print("missing", [m for m in PROVIDER_MODULES if m not in sys.modules])
+        print("tooling", sorted(m for m in sys.modules if m.startswith("ttftc.codegen.triton.tools")))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "missing []" in done.stdout and "tooling []" in done.stdout, done.stdout
+
+
+def test_every_module_that_registers_a_lowering_is_listed():
+    import pathlib
+    import re
+
+    from ttftc.codegen import lowering
+
+    root = pathlib.Path(lowering.__file__).parent
+    registers = re.compile(r"\bregister_(?:lowering|space)\(")
+    registering = {f"ttftc.codegen.{package}.{path.stem}" for package in lowering.PROVIDER_PACKAGES
+                   for path in (root / package).glob("*.py") if registers.search(path.read_text())}
+    assert registering and registering <= set(lowering.PROVIDER_MODULES), registering - set(lowering.PROVIDER_MODULES)
+    assert list(lowering.PROVIDER_MODULES) == sorted(
+        lowering.PROVIDER_MODULES, key=lambda m: lowering.PROVIDER_PACKAGES.index(m.split(".")[2]))

@@ -278,7 +278,8 @@ def test_padding_proven_safe(mix, evidence):
         (_sdpa_with(lambda n: _causal_visible(n) & (torch.arange(n)[7] >= 0)),
          "is not proven causal (mask uses aten.select, which the mask prover does not know)"),
         # compares positions with the length itself, a graph input the prover does not read
-        (_softmax_of(lambda s, n: s.masked_fill(torch.arange(n) > n, float("-inf"))), "mask depends on the runtime input"),
+        (_softmax_of(lambda s, n: s.masked_fill(torch.arange(n) > n, float("-inf"))),
+         "mask depends on the runtime input"),
         (_softmax_where_filled(lambda n: torch.tensor(-1.0)), "no causal mask is applied"),  # a fill that hides nothing
         # a fill computed from the length: not a constant the prover reads, so it hides nothing proven
         (_softmax_where_filled(lambda n: torch.full((), -1e30) * n), "no causal mask is applied"),

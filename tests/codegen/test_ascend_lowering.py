@@ -3,8 +3,8 @@ through triton-ascend 3.2.0 in its own virtual environment, built here when abse
 
 import pytest
 
-from ttftc.codegen.triton.ascend_lowering import ensure_venv, lower_in_venv, ub_footprint
-from ttftc.codegen.triton.catalog import kernel_cases
+from ttftc.codegen.triton.tools.ascend_lowering import ensure_venv, lower_in_venv, ub_footprint
+from ttftc.codegen.triton.tools.catalog import kernel_cases
 from ttftc.codegen.triton.targets import get_target
 
 IR = """

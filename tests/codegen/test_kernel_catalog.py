@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ttftc.codegen.triton import attention
-from ttftc.codegen.triton.catalog import ascend_norm_fits, kernel_cases, kernel_choice
+from ttftc.codegen.triton.tools.catalog import ascend_norm_fits, kernel_cases, kernel_choice
 from ttftc.codegen.triton.targets import all_targets, get_target
 from tests.helpers import needs_triton
 

@@ -7,8 +7,8 @@ pick, every variant, sm_80 too) is slow. Nothing here runs a kernel: no GPU was 
 
 import pytest
 
-from ttftc.codegen.triton.catalog import OP_KERNELS, kernel_cases
-from ttftc.codegen.triton.kernel_check import check_gpu, judge
+from ttftc.codegen.triton.tools.catalog import OP_KERNELS, kernel_cases
+from ttftc.codegen.triton.tools.kernel_check import check_gpu, judge
 from ttftc.codegen.triton.targets import get_target
 from tests.helpers import needs_triton
 

@@ -6,13 +6,13 @@ import torch.fx as fx
 import ttftc
 from ttftc.passes.base import GraphPass
 from ttftc.passes.manager import PassManager
+from ttftc.passes.registry import PIPELINE, pass_names
 
 
 class _ExplodingPass(GraphPass):
     """Mutates the graph, then raises: the manager must restore the graph from before it."""
 
     name = "exploding"
-    order = 99
 
     def find(self, gm):
         return [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -27,7 +27,6 @@ class _ExplodingPass(GraphPass):
 
 class _RejectingPass(GraphPass):
     name = "rejecting"
-    order = 98
 
     def find(self, gm):
         return [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -75,9 +74,31 @@ def test_uuid_is_stable_and_depends_on_config():
     assert a != PassManager(ttftc.Config(precision="bf16")).uuid()
 
 
-def test_registered_passes_run_in_pipeline_order():
+# The pipeline order the `order` class attributes gave before the explicit list replaced them (issue 30).
+RECORDED_ORDER = ("attention", "rope", "ffn", "norm_linear", "precision", "linear")
+
+
+def test_the_passes_run_in_the_recorded_pipeline_order():
+    assert pass_names() == RECORDED_ORDER
     manager = PassManager(ttftc.Config())
-    orders = [p.order for p in manager.passes]
-    assert orders == sorted(orders)
+    assert tuple(p.name for p in manager.passes) == RECORDED_ORDER
     for p in manager.passes:
         assert len(p.uuid()) == 16
+    # A subset still runs in pipeline order, whatever order the Config names it in.
+    subset = PassManager(ttftc.Config(passes=("linear", "ffn", "attention")))
+    assert [p.name for p in subset.passes] == ["attention", "ffn", "linear"]
+
+
+def test_every_pass_class_in_the_package_is_in_the_pipeline():
+    # A GraphPass defined in ttftc/passes/ but left out of PIPELINE would silently never run.
+    import importlib
+    import pkgutil
+
+    import ttftc.passes
+
+    defined = set()
+    for info in pkgutil.iter_modules(ttftc.passes.__path__):
+        module = importlib.import_module(f"ttftc.passes.{info.name}")
+        defined |= {obj for obj in vars(module).values() if isinstance(obj, type) and issubclass(obj, GraphPass)
+                    and obj is not GraphPass and obj.__module__ == module.__name__}
+    assert defined == set(PIPELINE)

@@ -3,8 +3,8 @@
 Dynamo traces a small adapter around the model (tensors in, a flat tuple of tensors out), AOTAutograd turns it
 into the functional aten graph, and the ttftc backend runs its passes and lowering on it. The backend's
 `on_lowered` hook then keeps the transformed aten graph and stops the compile by raising: Dynamo installs no
-cache entry and never runs the graph. Calling that graph directly is what makes the serving path free of recompiles: there
-is no guard to fail and no frame to re-trace, whatever length comes in.
+cache entry and never runs the graph. Calling that graph directly is what makes the serving path free of
+recompiles: there is no guard to fail and no frame to re-trace, whatever length comes in.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The bucketing plan: prove from the graph that right-padding a prompt cannot change its real positions.
 
-This is an analysis, not a rewriting pass, so it lives here and not in ttftc/passes/ (where every module is a
-pass selectable in Config.passes). It reads the functional aten graph of a trace in which the sequence length
-is symbolic, so "which axis is the sequence" is a fact about sizes (a size whose expression contains the
-sequence symbol), never a guess from a coincidence of numbers.
+This is an analysis, not a rewriting pass (one of ttftc.passes.registry.PIPELINE, selectable in Config.passes),
+so it lives here; it shares only the attention pass's mask prover. It reads the functional aten graph of a trace
+in which the sequence length is symbolic, so "which axis is the sequence" is a fact about sizes (a size whose
+expression contains the sequence symbol), never a guess from a coincidence of numbers.
 
 Padding is safe when, for every real position i, nothing computed at i reads a position j > i. Per-token
 work (GEMMs over the hidden axis, norms over the hidden axis, pointwise math, views) keeps positions apart;

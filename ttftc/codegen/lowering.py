@@ -6,7 +6,8 @@ raises. That makes fallback structural, as in Thunder's executors: an incapable 
 reference (the op's own body) always remains.
 
 Provider modules live in ttftc/codegen/<provider>/ and register themselves on import; `load_providers` imports
-them all. A provider whose library is missing (no triton, no torch_npu) simply registers nothing or reports
+the ones PROVIDER_MODULES lists, and nothing else (kernel tooling such as codegen/triton/tools/ stays out of a
+compile). A provider whose library is missing (no triton, no torch_npu) simply registers nothing or reports
 itself incapable.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -24,6 +24,20 @@ import torch.fx as fx
 from ttftc.ops.registry import get_op, op_name_of
 
 PROVIDER_PACKAGES = ("inductor", "triton", "npu", "cpu")
+# Every module that registers a lowering or a lowering's search space, grouped by provider in PROVIDER_PACKAGES
+# order: among lowerings of one op with equal priority the one registered first is chosen (triton's rope and
+# attention before npu's), so this order is part of the choice. A new provider module is listed here.
+PROVIDER_MODULES = (
+    "ttftc.codegen.inductor.ffn", "ttftc.codegen.inductor.int8_linear", "ttftc.codegen.inductor.norm",
+    "ttftc.codegen.inductor.rope",
+    "ttftc.codegen.triton.attention", "ttftc.codegen.triton.attention_ascend", "ttftc.codegen.triton.ffn",
+    "ttftc.codegen.triton.int8_linear", "ttftc.codegen.triton.norm", "ttftc.codegen.triton.norm_linear",
+    "ttftc.codegen.triton.rope",
+    "ttftc.codegen.npu.attention", "ttftc.codegen.npu.ffn", "ttftc.codegen.npu.int8_linear", "ttftc.codegen.npu.norm",
+    "ttftc.codegen.npu.norm_linear", "ttftc.codegen.npu.rope",
+    "ttftc.codegen.cpu.attention", "ttftc.codegen.cpu.ffn", "ttftc.codegen.cpu.int8_linear", "ttftc.codegen.cpu.linear",
+    "ttftc.codegen.cpu.norm", "ttftc.codegen.cpu.norm_linear", "ttftc.codegen.cpu.rope",
+)
 REFERENCE = "reference"
 # The provider whose lowerings are decompositions, inlined into the graph for Inductor (codegen/inductor/).
 INLINE = "inductor"
@@ -95,15 +109,15 @@ _providers_loaded = False
 
 
 def load_providers() -> None:
-    """Import every provider module once, so their lowerings are registered."""
+    """Import every provider module once, so their lowerings are registered.
+
+    By name, on the first compile: the provider modules import this one (register_lowering), and a serving
+    process that loads an artifact never pays for the providers it does not run."""
     global _providers_loaded
     if _providers_loaded:
         return
-    for package_name in PROVIDER_PACKAGES:
-        package = importlib.import_module(f"ttftc.codegen.{package_name}")
-        for info in pkgutil.iter_modules(package.__path__):
-            if not info.name.startswith("_"):
-                importlib.import_module(f"{package.__name__}.{info.name}")
+    for module in PROVIDER_MODULES:
+        importlib.import_module(module)
     _providers_loaded = True
 
 

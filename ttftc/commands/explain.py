@@ -98,7 +98,7 @@ def _explain_keeping_graphs(model, ids, config):
 def _print_device_prediction(graphs, device_key: str) -> None:
     from ttftc.bench.devices import get_device
     from ttftc.bench.prediction import format_prediction, predict
-    from ttftc.codegen.triton.catalog import graph_kernel_choices
+    from ttftc.codegen.triton.tools.catalog import graph_kernel_choices
     from ttftc.codegen.triton.targets import get_target
 
     device = get_device(device_key)

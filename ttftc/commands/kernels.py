@@ -6,7 +6,8 @@
 
 For each kernel x config x target it prints ok or the compiler's error, shared memory, registers and spills
 (GPUs), or the Unified Buffer estimate (Ascend). The configs are every config the tuner (or the untuned lowering)
-could pick on that target; the exit status is 1 when any of them fails (see ttftc/codegen/triton/kernel_check.py).
+could pick on that target; the exit status is 1 when any of them fails (see
+ttftc/codegen/triton/tools/kernel_check.py).
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def format_row(row, target) -> str:
 def run(args) -> int:
     from dataclasses import asdict
 
-    from ttftc.codegen.triton import kernel_check
-    from ttftc.codegen.triton.ascend_lowering import AscendToolchainError
-    from ttftc.codegen.triton.catalog import OP_KERNELS
+    from ttftc.codegen.triton.tools import kernel_check
+    from ttftc.codegen.triton.tools.ascend_lowering import AscendToolchainError
+    from ttftc.codegen.triton.tools.catalog import OP_KERNELS
     from ttftc.codegen.triton.targets import get_target
     from ttftc.commands import UsageError
 

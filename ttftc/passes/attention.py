@@ -37,7 +37,6 @@ from ttftc.passes._attention_mask import (
     size_expr,
 )
 from ttftc.passes.base import GraphPass
-from ttftc.passes.registry import register_pass
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -232,10 +231,8 @@ def _decomposed_softmax(node: Any) -> Optional[tuple[fx.Node, list[fx.Node], int
     return x, [node, total, exp, shifted, row_max], dims[0]
 
 
-@register_pass
 class AttentionPass(GraphPass):
     name = "attention"
-    order = 10
 
     def find(self, gm: fx.GraphModule):
         self._masks = MaskEvaluator(gm)

@@ -43,10 +43,9 @@ class PassStats:
 
 
 class GraphPass(ABC):
-    """Subclasses set `name` and `order` and implement find/guard/replace."""
+    """Subclasses set `name` and implement find/guard/replace; ttftc.passes.registry.PIPELINE places them."""
 
     name: ClassVar[str]
-    order: ClassVar[int]
 
     def __init__(self, config: Config):
         self.config = config

@@ -32,7 +32,6 @@ from ttftc.passes._linear import (
     up_row_views,
 )
 from ttftc.passes.base import GraphPass
-from ttftc.passes.registry import register_pass
 
 aten = torch.ops.aten
 
@@ -83,10 +82,8 @@ def _looks_gated(node) -> bool:
     return any(isinstance(a, fx.Node) and match_activation(up_row_views(a)[0]) is not None for a in node.args)
 
 
-@register_pass
 class FfnPass(GraphPass):
     name = "ffn"
-    order = 20
 
     # -- find ---------------------------------------------------------------------------------------------
     def find(self, gm: fx.GraphModule) -> Iterable[Match]:

@@ -17,16 +17,13 @@ import torch.fx as fx
 from ttftc.passes import graph_utils as gu
 from ttftc.passes._linear import LinearMatch, copy_provenance, match_linear
 from ttftc.passes.base import GraphPass
-from ttftc.passes.registry import register_pass
 
 aten = torch.ops.aten
 _GEMMS = (aten.mm.default, aten.addmm.default)
 
 
-@register_pass
 class LinearPass(GraphPass):
     name = "linear"
-    order = 50
 
     def find(self, gm: fx.GraphModule) -> Iterable[fx.Node]:
         return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _GEMMS]

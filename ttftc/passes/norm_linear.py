@@ -35,7 +35,6 @@ from ttftc.passes._linear import (
     up_row_views,
 )
 from ttftc.passes.base import GraphPass
-from ttftc.passes.registry import register_pass
 
 aten = torch.ops.aten
 
@@ -93,10 +92,8 @@ def _variance_of(rsqrt: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
     return None
 
 
-@register_pass
 class NormLinearPass(GraphPass):
     name = "norm_linear"
-    order = 30
 
     def find(self, gm: fx.GraphModule) -> Iterable[NormMatch]:
         for node in gm.graph.nodes:

@@ -45,7 +45,6 @@ from ttftc.passes._module_names import describe, node_module_names
 from ttftc.passes._precision_common import FLOATS, Casts
 from ttftc.passes._quant_patterns import match_int_mm_chain, match_pt2e_linear, replace_existing_quant
 from ttftc.passes.base import GraphPass
-from ttftc.passes.registry import register_pass
 
 aten = torch.ops.aten
 ttftc_ops = torch.ops.ttftc
@@ -101,10 +100,8 @@ class Candidate:
     info: dict = field(default_factory=dict)
 
 
-@register_pass
 class PrecisionPass(GraphPass):
     name = "precision"
-    order = 40
 
     def options(self) -> dict:
         options = {

@@ -1,42 +1,34 @@
-"""Which passes exist, in pipeline order. Pass modules register their class with @register_pass on import."""
+"""Which passes exist, in pipeline order: PIPELINE is the one place that makes a class a pass and decides when it
+runs. A module in ttftc/passes/ is a pass because it is listed here, not because of its file name."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from ttftc.passes.attention import AttentionPass
+from ttftc.passes.ffn import FfnPass
+from ttftc.passes.linear import LinearPass
+from ttftc.passes.norm_linear import NormLinearPass
+from ttftc.passes.precision import PrecisionPass
+from ttftc.passes.rope import RopePass
 
-# Modules of this package that are infrastructure, not passes.
-_INFRASTRUCTURE = {"base", "manager", "registry", "graph_utils"}
-
-_PASSES: dict[str, type] = {}
-_discovered = False
-
-
-def register_pass(cls):
-    if not getattr(cls, "name", None) or not isinstance(getattr(cls, "order", None), int):
-        raise TypeError(f"{cls.__name__} needs a class attribute `name` (str) and `order` (int)")
-    existing = _PASSES.get(cls.name)
-    if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
-        raise ValueError(f"Two passes are named {cls.name!r}: {existing.__qualname__} and {cls.__qualname__}")
-    _PASSES[cls.name] = cls
-    return cls
+# The order the passes build on each other in: rope after attention (the attention op's q and k become its
+# outputs either way); norm_linear after ffn (a norm feeding a gated_ffn becomes ttftc.norm); the precision policy
+# over the fused ops and the plain GEMMs; linear last, so it only sees the linears no fusion took.
+PIPELINE: tuple[type, ...] = (AttentionPass, RopePass, FfnPass, NormLinearPass, PrecisionPass, LinearPass)
 
 
-def _discover() -> None:
-    global _discovered
-    if _discovered:
-        return
-    package = importlib.import_module("ttftc.passes")
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name not in _INFRASTRUCTURE and not info.name.startswith("_"):
-            importlib.import_module(f"ttftc.passes.{info.name}")
-    _discovered = True
+def _check(pipeline: tuple[type, ...]) -> None:
+    names = [cls.name for cls in pipeline]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"two passes share the name {duplicates[0]!r}")
+
+
+_check(PIPELINE)
 
 
 def pass_classes() -> list[type]:
-    _discover()
-    return sorted(_PASSES.values(), key=lambda cls: (cls.order, cls.name))
+    return list(PIPELINE)
 
 
 def pass_names() -> tuple[str, ...]:
-    return tuple(cls.name for cls in pass_classes())
+    return tuple(cls.name for cls in PIPELINE)

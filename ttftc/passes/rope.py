@@ -27,7 +27,6 @@ import torch.fx as fx
 from ttftc.ops.rope import rope_output_strides, rope_shape_reason
 from ttftc.passes import graph_utils as gu
 from ttftc.passes.base import GraphPass
-from ttftc.passes.registry import register_pass
 
 aten = torch.ops.aten
 
@@ -66,10 +65,8 @@ def _last_dim(dim: int, rank: int) -> bool:
     return dim in (rank - 1, -1)
 
 
-@register_pass
 class RopePass(GraphPass):
     name = "rope"
-    order = 15  # after attention (its q and k become this op's outputs either way), before the precision policy
 
     def find(self, gm: fx.GraphModule) -> Iterator[RopeMatch]:
         for node in gm.graph.nodes:

@@ -32,6 +32,13 @@ cache lives (or until `unpin`): a pin is a lease the cache keeps itself, so its 
 are never evicted, and a prompt whose blocks are not all cached (the budget ran out while it was inserted) is
 refused with a ValueError and nothing pinned. `ttftc serve --warm-prompts` pins the prompts it prefills at startup.
 
+Disk tier: given a `KVDiskTier` (ttftc/runtime/kv_disk.py), a block evicted from RAM is written to disk first,
+addressed by a digest chain of the model, the namespace and the tokens, so tenants stay isolated there too; and
+`persist()` writes every block held (a server calls it when it shuts down), so the cache survives a restart. When
+`match` finds its RAM chain ending where the disk goes on, it loads the disk's blocks if their measured load time
+is below `recompute_seconds(tokens, context)`, the caller's measured cost of computing those tokens again (the
+engine supplies it); without that measurement it never loads. Loaded blocks re-enter RAM and count as hits.
+
 Thread safety: one lock guards the tree. `insert` builds the payloads of the blocks it is missing outside the lock
 (copying KV is the slow part), then re-walks the tree under the lock and keeps whatever another thread inserted
 meanwhile, so a race costs a wasted copy, never a duplicate or a torn chain.
@@ -42,11 +49,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
+
+from ttftc.runtime.kv_disk import KVDiskTier, child_digest, root_digest
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -104,6 +114,9 @@ class PrefixCacheStats:
     pinned_prompts: int = 0
     pinned_blocks: int = 0  # distinct blocks held by pins (prompts sharing a prefix share its blocks)
     pinned_bytes: int = 0
+    disk_loaded_blocks: int = 0  # blocks a match loaded from the disk tier (their tokens count as hits)
+    disk_declined_blocks: int = 0  # blocks on disk that a match recomputed instead: loading measured slower
+    disk_stored_blocks: int = 0  # blocks written to the disk tier (evicted or persisted)
 
     @property
     def pinned_tokens(self) -> int:
@@ -115,10 +128,10 @@ class PrefixCacheStats:
 
 
 class _Node:
-    __slots__ = ("key", "payload", "nbytes", "parent", "children", "refs", "last_access", "pins")
+    __slots__ = ("key", "payload", "nbytes", "parent", "children", "refs", "last_access", "pins", "digest")
 
     def __init__(self, key: tuple[int, ...], payload: Optional[BlockPayload], nbytes: int,
-                 parent: Optional["_Node"]):
+                 parent: Optional["_Node"], digest: Optional[bytes] = None):
         self.key = key
         self.payload = payload
         self.nbytes = nbytes
@@ -127,6 +140,7 @@ class _Node:
         self.refs = 0
         self.last_access = 0
         self.pins = 0
+        self.digest = digest  # its address in the disk tier; None without one
 
 
 class CacheLease:
@@ -171,16 +185,26 @@ class PrefixCache:
     """
 
     def __init__(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE, *, block_bytes: Optional[int] = None,
-                 shared_default: bool = True):
+                 shared_default: bool = True, disk: Optional[KVDiskTier] = None,
+                 recompute_seconds: Optional[Callable[[int, int], float]] = None):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 1:
             raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
         if not isinstance(shared_default, bool):
             raise TypeError(f"shared_default must be True or False, got {shared_default!r}")
+        if disk is not None and not isinstance(disk, KVDiskTier):
+            raise TypeError(f"disk must be a KVDiskTier or None, got {type(disk).__name__}")
+        if disk is not None and disk.block_shape[-2] != block_size:
+            raise ValueError(f"the disk tier holds blocks of {disk.block_shape[-2]} tokens; this cache's blocks have "
+                             f"{block_size}")
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.shared_default = shared_default
+        self.disk = disk
+        # (tokens to compute, tokens before them) -> measured seconds; set by the engine that owns the cache.
+        self.recompute_seconds = recompute_seconds
+        self._disk_loaded = self._disk_declined = self._disk_stored = 0
         self._lock = threading.RLock()
         self._roots: dict[Optional[str], _Node] = {}  # None: the shared default namespace
         self._block_bytes: Optional[int] = None
@@ -196,6 +220,8 @@ class PrefixCache:
         self._pinned_blocks = self._pinned_bytes = 0
         if block_bytes is not None:
             self._set_block_bytes(block_bytes)
+        if disk is not None:
+            self.bind(disk.block_bytes)
 
     # ---- configuration ------------------------------------------------------------------------------------------
 
@@ -272,7 +298,9 @@ class PrefixCache:
         keys = self._block_keys(tokens, max_tokens)
         with self._lock:
             chain = self._walk(namespace, keys)
-            self._acquire(chain)
+            self._acquire(chain)  # before loading from disk: making room there must not evict the chain's tail
+            if self.disk is not None and namespace is not _NO_TREE and len(chain) < len(keys):
+                chain += self._load_from_disk(namespace, chain, keys)
             lease = CacheLease(self, chain, tenant)
             self._queries += 1
             self._query_tokens += len(tokens)
@@ -346,7 +374,7 @@ class PrefixCache:
         with self._lock:
             root = self._roots.get(namespace)
             if root is None:
-                root = self._roots[namespace] = _Node((), None, 0, None)
+                root = self._roots[namespace] = self._new_root(namespace)
             node, chain = root, []
             for i, key in enumerate(keys):
                 child = node.children.get(key)
@@ -360,7 +388,7 @@ class PrefixCache:
                     # take other tenants' or other prompts' unreferenced leaves.
                     if not self._make_room(nbytes):
                         break
-                    child = _Node(key, payload, nbytes, node)
+                    child = _Node(key, payload, nbytes, node, self._digest_below(node, key))
                     node.children[key] = child
                     self._blocks_held += 1
                     self._bytes_held += nbytes
@@ -436,6 +464,7 @@ class PrefixCache:
             stamp, _, node = heapq.heappop(self._evictable)
             if not self._is_evictable(node) or stamp != node.last_access:
                 continue  # stale: re-referenced, grew a child, already evicted, or touched since it was pushed
+            self._spill(node)
             parent = node.parent
             del parent.children[node.key]
             node.parent = None
@@ -467,6 +496,79 @@ class PrefixCache:
                 pass
             return start - self._bytes_held
 
+    # ---- the disk tier ------------------------------------------------------------------------------------------
+
+    def _new_root(self, namespace: Optional[str]) -> _Node:
+        digest = None
+        if self.disk is not None:
+            label = "default" if namespace is None else f"tenant:{namespace}"
+            digest = root_digest(self.disk.model_key, label)
+        return _Node((), None, 0, None, digest)
+
+    def _digest_below(self, parent: _Node, key: tuple[int, ...]) -> Optional[bytes]:
+        return None if parent.digest is None else child_digest(parent.digest, key)
+
+    def _spill(self, node: _Node) -> None:
+        """Write an evicted block to the disk tier; a failing disk costs the block, never the eviction."""
+        if self.disk is None or node.digest is None or node.payload is None:
+            return
+        try:
+            if self.disk.store(node.digest, node.payload):
+                self._disk_stored += 1
+        except OSError as exc:
+            warnings.warn(f"ttftc prefix cache: could not write a block to the disk tier ({exc})", stacklevel=3)
+
+    def _load_from_disk(self, namespace: Optional[str], chain: list[_Node],
+                        keys: list[tuple[int, ...]]) -> list[_Node]:
+        """Continue `chain` (acquired) with the blocks the disk holds, when loading them measures cheaper than
+        recomputing; the loaded blocks come back acquired."""
+        root = self._roots.get(namespace)
+        parent = chain[-1] if chain else root if root is not None else self._new_root(namespace)
+        digests, digest = [], parent.digest
+        for key in keys[len(chain):]:
+            digest = child_digest(digest, key)
+            if not self.disk.contains(digest):
+                break
+            digests.append(digest)
+        if not digests:
+            return []
+        tokens, context = len(digests) * self.block_size, len(chain) * self.block_size
+        recompute = self.recompute_seconds(tokens, context) if self.recompute_seconds is not None else None
+        if recompute is None or self.disk.load_seconds(len(digests) * self.disk.block_bytes) >= recompute:
+            self._disk_declined += len(digests)
+            return []
+        if root is None:  # no chain either: the parent is a fresh root
+            root = parent
+        loaded: list[_Node] = []
+        node = parent
+        for key, digest in zip(keys[len(chain):], digests):
+            payload = self.disk.load(digest)
+            if payload is None or not self._make_room(int(payload.nbytes)):
+                break
+            child = _Node(key, payload, int(payload.nbytes), node, digest)
+            node.children[key] = child
+            self._blocks_held += 1
+            self._bytes_held += child.nbytes
+            self._disk_loaded += 1
+            self._acquire([child])
+            loaded.append(child)
+            node = child
+        # Room-making may have dropped the root (its last other leaf evicted); a root is kept while it has children.
+        if root.children:
+            self._roots[namespace] = root
+        return loaded
+
+    def persist(self) -> int:
+        """Write every block held in RAM to the disk tier (those already there are kept); returns how many are
+        there now. For a clean shutdown: the next process finds them."""
+        if self.disk is None:
+            return 0
+        with self._lock:
+            nodes = [node for root in self._roots.values() for node in _descendants(root)]
+            for node in nodes:
+                self._spill(node)
+            return sum(1 for node in nodes if self.disk.contains(node.digest))
+
     def clear(self) -> int:
         """Evict every unreferenced block; referenced ones stay. Returns the bytes freed."""
         return self.evict(self.budget_bytes + 1)
@@ -480,6 +582,8 @@ class PrefixCache:
                 inserted_blocks=self._inserted, evicted_blocks=self._evicted, blocks_held=self._blocks_held,
                 bytes_held=self._bytes_held, budget_bytes=self.budget_bytes, block_size=self.block_size,
                 pinned_prompts=len(self._pins), pinned_blocks=self._pinned_blocks, pinned_bytes=self._pinned_bytes,
+                disk_loaded_blocks=self._disk_loaded, disk_declined_blocks=self._disk_declined,
+                disk_stored_blocks=self._disk_stored,
             )
 
     def check_invariants(self, live_leases: Sequence[CacheLease] = ()) -> None:
@@ -524,3 +628,12 @@ class PrefixCache:
         s = self.stats()
         return (f"PrefixCache({s.blocks_held} blocks, {s.bytes_held}/{s.budget_bytes} bytes, "
                 f"block_size={s.block_size}, hit rate {s.hit_rate:.1%})")
+
+
+def _descendants(root: _Node) -> list[_Node]:
+    out, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out

@@ -15,7 +15,7 @@ loop tree), and copied-in tiles count twice when multibuffer is on. Every buffer
 although `tl.dot` operands live in a cube core's L1: an over-count there, while in-place reuse and buffers that
 bufferization adds are not modelled. It is an estimate; bishengir's memory plan may differ.
 
-Run as `python -m ttftc.codegen.triton.ascend_lowering --target Ascend910B3` inside the venv, it prints one JSON
+Run as `python -m ttftc.codegen.triton.tools.ascend_lowering --target Ascend910B3` inside the venv, it prints one JSON
 object per kernel case; `lower_in_venv` runs that from the normal environment and parses the answer.
 """
 
@@ -33,7 +33,7 @@ from typing import Optional
 
 TRITON_ASCEND_VERSION = "3.2.0"
 VENV_ENV = "TTFTC_TRITON_ASCEND_VENV"
-_REPO_ROOT = Path(__file__).resolve().parents[3]
+_REPO_ROOT = Path(__file__).resolve().parents[4]
 
 
 class AscendToolchainError(RuntimeError):
@@ -93,7 +93,7 @@ def lower_in_venv(target_name: str, *, ops: Optional[tuple[str, ...]] = None, de
                   python: Optional[Path] = None, timeout_s: float = 3600) -> list[LoweringResult]:
     """Lower every kernel case for `target_name` in the triton-ascend venv (which must exist: `ensure_venv`)."""
     python = python or ensure_venv(build=False)
-    cmd = [str(python), "-m", "ttftc.codegen.triton.ascend_lowering", "--target", target_name]
+    cmd = [str(python), "-m", "ttftc.codegen.triton.tools.ascend_lowering", "--target", target_name]
     if ops:
         cmd += ["--ops", ",".join(ops)]
     if defaults_only:
@@ -206,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from triton.backends.compiler import GPUTarget
 
-    from ttftc.codegen.triton.catalog import kernel_cases
+    from ttftc.codegen.triton.tools.catalog import kernel_cases
     from ttftc.codegen.triton.targets import get_target
 
     target = get_target(args.target)

@@ -16,8 +16,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from ttftc.codegen.triton.aot import CompileResult, compile_launch
-from ttftc.codegen.triton.catalog import KernelCase, kernel_cases
+from ttftc.codegen.triton.tools.aot import CompileResult, compile_launch
+from ttftc.codegen.triton.tools.catalog import KernelCase, kernel_cases
 from ttftc.codegen.triton.targets import Target
 
 
@@ -101,7 +101,7 @@ def check_gpu(target: Target, *, ops: Optional[tuple[str, ...]] = None, defaults
 def check_ascend(target: Target, *, ops: Optional[tuple[str, ...]] = None, defaults_only: bool = False,
                  build_venv: bool = False) -> list[CheckedCase]:
     """Lower every case for an Ascend target in triton-ascend's venv (built first when `build_venv`)."""
-    from ttftc.codegen.triton.ascend_lowering import ensure_venv, lower_in_venv
+    from ttftc.codegen.triton.tools.ascend_lowering import ensure_venv, lower_in_venv
 
     python = ensure_venv(build=build_venv)
     checked = []

@@ -52,14 +52,15 @@ class CompileResult:
 def compile_launch(launch: KernelLaunch, target: Target) -> CompileResult:
     """Compile `launch` for `target`; a compiler error is a result (ok=False), not an exception."""
     if not target.is_gpu:
-        raise ValueError(f"{target.name} is a {target.backend} target: use ttftc.codegen.triton.ascend_lowering")
+        raise ValueError(f"{target.name} is a {target.backend} target: use ttftc.codegen.triton.tools.ascend_lowering")
     import triton
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     if not isinstance(launch.kernel, JITFunction):
-        raise RuntimeError(f"{launch.name} was decorated for the interpreter (TRITON_INTERPRET=1 when its module was "
-                           "imported): compile in a process without it, as ttftc.codegen.triton.kernel_check does")
+        raise RuntimeError(f"{launch.name} was decorated for the interpreter (TRITON_INTERPRET=1 when its module "
+                           "was imported): compile in a process without it, as "
+                           "ttftc.codegen.triton.tools.kernel_check does")
     spec = specialize(launch)
     names = list(launch.kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.divisible_by_16}
