@@ -83,7 +83,7 @@ class Plan:
                     ("eager-sdpa-bf16", "inductor-bf16", "ttftc-bf16", "ttftc[precision=bf16,codegen=inductor]"),
                     ("inductor-max-autotune-bf16",),
                     dict(model="1b", bucket=8192),
-                    dict(install=120, tests=170, attention=60, bench=110, max_autotune=90))
+                    dict(install=120, tests=170, attention=75, bench=110, max_autotune=90))
 
 
 @dataclass
@@ -253,12 +253,17 @@ def step_models(r: Runner) -> dict[str, Path]:
     """Write each bench model as a local checkpoint; returns name -> directory for those written."""
     written = {}
     for name, overrides in r.plan.models.items():
-        directory = r.work / "models" / name
-        spec = json.dumps({**overrides, "max_position_embeddings": max(r.plan.seqs) + 256})
-        result = r.run(f"model {name}", _python("-c", _WRITE_MODEL, str(directory), spec), 150)
-        if result.status == "ok":
+        directory = _write_model(r, name, overrides)
+        if directory is not None:
             written[name] = directory
     return written
+
+
+def _write_model(r: Runner, name: str, overrides: dict) -> Optional[Path]:
+    directory = r.work / "models" / name
+    spec = json.dumps({**overrides, "max_position_embeddings": max(r.plan.seqs) + 256})
+    result = r.run(f"model {name}", _python("-c", _WRITE_MODEL, str(directory), spec), 150)
+    return directory if result.status == "ok" else None
 
 
 _WRITE_MODEL = """
@@ -305,12 +310,15 @@ def _bench_table(doc: dict) -> dict:
             "device_name": doc.get("device_name")}
 
 
-def step_attention(r: Runner, models: dict[str, Path]) -> None:
+def step_attention(r: Runner) -> None:
     problem = r.plan.attention
     cache = r.work / "autotune"
-    model = models.get(problem["model"])
+    config = r.plan.models[problem["model"]]
+    # One layer of the model: the same attention problem (the cache keys on the op's shapes), without compiling
+    # every other layer first.
+    model = _write_model(r, f"{problem['model']}-1-layer", {**config, "num_hidden_layers": 1})
     if model is None:
-        r.record(StepResult("autotune attention", f"skipped: the {problem['model']} checkpoint was not written", 0.0))
+        r.record(StepResult("autotune attention", "skipped: its checkpoint was not written", 0.0))
     else:
         search_s = str(r.plan.budgets["attention"] // 3)  # the rest: loading, compiling, the timing after it
         r.run("autotune attention", _python("-m", "ttftc.cli", "autotune", str(model), "--buckets",
@@ -318,7 +326,6 @@ def step_attention(r: Runner, models: dict[str, Path]) -> None:
                                             "--precision", "bf16", "--budget-s", search_s, "--cache", str(cache)),
               r.plan.budgets["attention"])
     target = r.work / "attention-throughput.json"
-    config = r.plan.models[problem["model"]]
     spec = json.dumps(dict(heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
                            head_dim=config["hidden_size"] // config["num_attention_heads"], seq=problem["bucket"],
                            cache=str(cache), out=str(target)))
@@ -379,7 +386,7 @@ def summary_markdown(r: Runner) -> str:
             bound = {q: next((c.get("published_bound_ms") or c.get("bound_ms") for c in
                               (v.get(q) for v in by_variant.values()) if c and c.get("status") == "ok"), None)
                      for q in plan.seqs}
-            lines += ["| roofline bound (bf16) | " + " | ".join(_fmt(bound[q]) for q in plan.seqs) + " |", ""]
+            lines += ["| roofline bound (bf16 peak) | " + " | ".join(_fmt(bound[q]) for q in plan.seqs) + " |", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -426,9 +433,9 @@ def main(argv: Optional[list] = None) -> int:
         step_environment(runner, "install" in steps and step_install(runner))
         if "tests" in steps:
             step_tests(runner)
-        models = step_models(runner) if {"attention", "bench", "max-autotune"} & set(steps) else {}
         if "attention" in steps:
-            step_attention(runner, models)
+            step_attention(runner)
+        models = step_models(runner) if {"bench", "max-autotune"} & set(steps) else {}
         if "bench" in steps:
             step_bench(runner, models, plan.peers, "", plan.budgets["bench"])
         if "max-autotune" in steps:
@@ -437,8 +444,10 @@ def main(argv: Optional[list] = None) -> int:
                                                                                     runner.results]}, indent=1))
         (out / "summary.md").write_text(summary_markdown(runner))
     written = sorted(p.name for p in out.iterdir())
-    assert len(written) <= MAX_FILES, f"{len(written)} files in {out}, at most {MAX_FILES} come back: {written}"
-    print(f"[device-check] wrote {', '.join(written)} to {out}")
+    print(f"[device-check] {out} holds {', '.join(written)}")
+    if len(written) > MAX_FILES:  # files that were there before this run: the session returns only 8
+        print(f"[device-check] warning: {len(written)} files in {out}, at most {MAX_FILES} come back; give an "
+              "empty $OUT", file=sys.stderr)
     return 0 if all(s.status == "ok" or s.status.startswith("skipped") for s in runner.results) else 1
 
 

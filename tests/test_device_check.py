@@ -103,7 +103,7 @@ def test_summary_tables(tmp_path):
     assert "NVIDIA H200" in text and "| tests/gpu | failed: exit status 1 |" in text
     assert "FAILED tests/gpu/test_kernels.py::t" in text and "| rope | bfloat16 | 1 | 0 | 0.002 | 1b |" in text
     assert "timing: CUDA events" in text and "failed: out of memory" in text
-    assert "| roofline bound (bf16) | 0.05 | 0.05 | - |" in text  # the published GPU peak's bound, where known
+    assert "| roofline bound (bf16 peak) | 0.05 | 0.05 | - |" in text  # the published GPU peak's bound, where known
 
 
 def test_bad_arguments_and_a_machine_without_cuda_exit_2(tmp_path):
