@@ -27,6 +27,7 @@ SUBCOMMANDS = (
     "ttftc.commands.explain",
     "ttftc.commands.serve",
     "ttftc.commands.loadtest",
+    "ttftc.commands.cache",
     "ttftc.commands.kernels",
 )
 
