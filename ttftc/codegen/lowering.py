@@ -21,7 +21,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from ttftc.codegen.tuned_per_shape import TunedPerShape
 from ttftc.ops.registry import get_op, op_name_of
+from ttftc.passes.graph_utils import inline_function, refresh_meta
 
 PROVIDER_PACKAGES = ("inductor", "triton", "npu", "cpu")
 # Every module that registers a lowering or a lowering's search space, grouped by provider in PROVIDER_PACKAGES
@@ -248,8 +250,6 @@ def lower_graph(gm: fx.GraphModule, *, provider: str, autotune: bool = True,
         if as_ops:
             _retarget_to_lowered_op(gm, node, chosen)
         elif autotune and not _is_static(node) and _tunable(op, chosen.provider, node):
-            from ttftc.codegen.tuned_per_shape import TunedPerShape
-
             node.target = TunedPerShape(op, chosen.provider, ctx.device_type, chosen.impl, autotune_cache)
         else:
             node.target = chosen.impl
@@ -260,8 +260,6 @@ def lower_graph(gm: fx.GraphModule, *, provider: str, autotune: bool = True,
 
 def _inline(gm: fx.GraphModule, node: fx.Node, chosen: Lowering) -> list[fx.Node]:
     """Inline `chosen`'s decomposition in place of `node`; returns the ttftc op nodes it brought in."""
-    from ttftc.passes.graph_utils import inline_function
-
     before = set(gm.graph.nodes)
     inline_function(gm, node, chosen.impl)
     return [n for n in gm.graph.nodes
@@ -269,8 +267,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, chosen: Lowering) -> list[fx.Node
 
 
 def _retarget_to_lowered_op(gm: fx.GraphModule, node: fx.Node, chosen: Lowering) -> None:
-    from ttftc.codegen.lowered_ops import TUNING_ARG, encode_tuning, lowered_op
-    from ttftc.passes.graph_utils import refresh_meta
+    from ttftc.codegen.lowered_ops import TUNING_ARG, encode_tuning, lowered_op  # it imports this module
 
     node.target = lowered_op(chosen)
     tuning = encode_tuning(node.meta.pop("ttftc_tuning", None))
