@@ -1,7 +1,8 @@
 """Count the imports that sit inside a function or method body in a package (ttftc/ by default).
 
-An import inside a function hides a dependency from the import graph that import-linter checks (.importlinter),
-and is often how a layering cycle was dodged; this lists each one so the count can only go down.
+An import inside a function is a dependency a reader of the module's header does not see (lint-imports still
+counts it, see .importlinter), and it is often how an import cycle was dodged; this lists each one so that the
+count can only go down.
 
     python3 scripts/count_function_imports.py [ROOT] [--quiet]
 
