@@ -32,13 +32,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 # The plan reads the zoo's presets before the install step has run: import ttftc from this tree.
 sys.path.insert(0, str(ROOT))
+from ttftc import zoo  # noqa: E402
+
 MAX_FILES = 8
 LOG_TAIL = 4000
 
@@ -63,8 +68,6 @@ class Plan:
 
     @staticmethod
     def make(dry_run: bool, deadline_s: Optional[float]) -> "Plan":
-        from ttftc import zoo
-
         smol = dict(zoo.PRESETS["smol-135m"][1])
         one_b = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
@@ -73,7 +76,7 @@ class Plan:
             tiny = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
             smol = {**smol, **tiny, "num_attention_heads": 4, "num_key_value_heads": 2}
             one_b = {**one_b, **tiny, "num_attention_heads": 4, "num_key_value_heads": 1}
-            return Plan(True, "cpu", deadline_s or 300.0, (16, 32, 64), 2,
+            return Plan(True, "cpu", deadline_s or 480.0, (16, 32, 64), 2,
                         {"smol-135m": smol, "1b": one_b},
                         ("eager-sdpa-bf16", "ttftc-bf16"), (),
                         dict(model="smol-135m", bucket=32),
@@ -186,7 +189,8 @@ def step_tests(r: Runner) -> None:
     errors = r.work / "gpu-errors.jsonl"
     env = {**r.env, "TTFTC_GPU_ERRORS": str(errors)}
     report = r.work / "junit.xml"
-    result = r.run("tests/gpu", _python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+    # --durations: the slowest tests end the log tail steps.json keeps, to size the next run's budgets
+    result = r.run("tests/gpu", _python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--durations=8",
                                         f"--junitxml={report}", "tests/gpu"), r.plan.budgets["tests"], env=env)
     rows = _read_jsonl(errors)
     result.data = {"errors": _max_errors(rows), "outcomes": _outcomes(report)}
@@ -228,8 +232,6 @@ def _max_errors(rows: list[dict]) -> list[dict]:
 
 def _outcomes(junit: Path) -> dict:
     """passed/failed/skipped counts and the failed test ids, from pytest's JUnit XML."""
-    import xml.etree.ElementTree as ET
-
     counts = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
     if not junit.exists():
         return counts
@@ -409,7 +411,7 @@ def _cell(row: Optional[dict]) -> str:
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1")
-    parser.add_argument("--deadline-s", type=float, default=None, help="total wall time (default 420, dry run 300)")
+    parser.add_argument("--deadline-s", type=float, default=None, help="total wall time (default 420, dry run 480)")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"comma-separated subset of {','.join(STEPS)}, e.g. to rerun what a first run missed")
     args = parser.parse_args(argv)
@@ -419,12 +421,9 @@ def main(argv: Optional[list] = None) -> int:
     unknown = sorted(set(steps) - set(STEPS))
     if unknown or not steps:
         parser.error(f"--steps: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(STEPS)}")
-    if not args.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("device check: no CUDA device here; run with --dry-run on a CPU machine", file=sys.stderr)
-            return 2
+    if not args.dry_run and not torch.cuda.is_available():
+        print("device check: no CUDA device here; run with --dry-run on a CPU machine", file=sys.stderr)
+        return 2
     out = Path(os.environ.get("OUT") or ROOT / "device-results")
     out.mkdir(parents=True, exist_ok=True)
     plan = Plan.make(args.dry_run, args.deadline_s)
