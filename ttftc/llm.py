@@ -34,14 +34,19 @@ from typing import Any, Hashable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from ttftc import __version__ as TTFTC_VERSION
 from ttftc.models import load_model, resolve_model
-from ttftc.runtime.prefix_cache import PRIVATE, Tenant
+from ttftc.runtime.kv import ModelGeometry
+from ttftc.runtime.kv_disk import KVDiskTier
+from ttftc.runtime.kv_disk import model_key as kv_model_key
+from ttftc.runtime.prefix_cache import DEFAULT_BLOCK_SIZE, PRIVATE, Tenant
 from ttftc.text import OutputText, PromptCodec, load_tokenizer
 from ttftc.text import Delta as Delta  # re-exported: what stream() yields
 
 # Bucket table for serving: short chat turns to long documents, each bucket at most 2x its shortest prompt.
 SERVING_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+DEFAULT_KV_DISK_BYTES = 8 << 30
 # The scheduler's token budget per step, and the most tokens of one prompt a step prefills. Sized for the TTFT of
 # short requests beside long prompts, not for throughput (README, Serving, has the measurements): a step carries
 # the batched decode, the short prompts that arrived (up to ~3 of 128 tokens, in one bucketed forward) and at most
@@ -259,6 +264,9 @@ class LLM:
     compile_kv_path: compile the KV path (decode, cached-prefix and chunk continuation) with ttftc and dynamic
                      shapes; False keeps it eager (no compile time: tests, debugging).
     warmup:          compile and run every graph once before serving, so no request pays for a compile.
+    kv_disk, kv_disk_bytes: a directory for the prefix cache's disk tier (runtime/kv_disk.py) and its byte budget:
+                     blocks evicted from RAM, and every block at close(), are kept there, found again after a
+                     restart, and loaded where loading measures faster than recomputing; None: no disk tier.
     tenant:          the prefix-cache namespace of calls that name none (default: this LLM's own namespace, shared
                      by all its unnamed calls); a per-call `tenant=` isolates, `tenant=PRIVATE` shares nothing.
     """
@@ -270,7 +278,8 @@ class LLM:
                  prefill_batch_sizes: Sequence[int] = (1, 2, 4, 8), prefill_batch_tokens: int = 512,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, tokenizer: Any = None,
                  name: Optional[str] = None, compile_kv_path: bool = True, warmup: bool = True,
-                 batched_decode: bool = True, tenant: Tenant = None):
+                 batched_decode: bool = True, tenant: Tenant = None,
+                 kv_disk: Optional[Union[str, Path]] = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES):
         from ttftc.runtime.engine import PrefillEngine
         from ttftc.runtime.engine_loop import EngineLoop
         from ttftc.runtime.scheduler import StepScheduler
@@ -294,13 +303,17 @@ class LLM:
         self.codec = PromptCodec(tokenizer if tokenizer is not None else source.tokenizer)
         self.notes: list[str] = []
         prefill_model, batch_sizes = self._prefill_model(source, precision, buckets, prefill_batch_sizes)
-        cache = self._prefix_cache(prompt_cache, prefix_cache_bytes)
+        cache = self._prefix_cache(prompt_cache, prefix_cache_bytes, self._disk_tier(kv_disk, kv_disk_bytes, precision,
+                                                                                     prompt_cache))
         kv_model = self._kv_model(precision) if compile_kv_path else self.model
         self.engine = PrefillEngine(kv_model, prefix_cache=cache, chunk_size=chunked_prefill,
                                     prefill_model=prefill_model, prefill_batch_sizes=batch_sizes,
                                     prefill_batch_tokens=prefill_batch_tokens, batched_decode=batched_decode)
         self.scheduler = StepScheduler(self.engine, max_batch_tokens, chunk_size=chunked_prefill,
                                        batch_window_s=batch_window_ms / 1000.0, max_running=max_running)
+        if cache is not None and cache.disk is not None and cache.recompute_seconds is None:
+            # A disk hit is loaded only where loading measures cheaper than the scheduler's fit of its forwards.
+            cache.recompute_seconds = self.scheduler.cost_model.prefill_s
         self.eos_token_id = self.codec.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = _config_eos(self.model)
@@ -343,13 +356,24 @@ class LLM:
         # Dynamic from the first call: prompt and KV lengths vary on every call of this path.
         return torch.compile(self.model, backend=TtftcBackend(Config(precision=precision)), dynamic=True)
 
-    def _prefix_cache(self, prompt_cache, budget_bytes: int):
+    def _disk_tier(self, directory, budget_bytes: int, precision: str, prompt_cache) -> Optional[KVDiskTier]:
+        if directory is None:
+            return None
+        if prompt_cache is not True:
+            raise ValueError("kv_disk needs prompt_cache=True: the disk tier extends the prefix cache LLM builds "
+                             "(give a PrefixCache of your own its disk= instead)")
+        geometry = ModelGeometry.of(self.model)
+        shape = (geometry.num_layers, 2, geometry.kv_heads, DEFAULT_BLOCK_SIZE, geometry.head_dim)
+        key = kv_model_key(self.model, f"precision={precision}", f"ttftc={TTFTC_VERSION}")
+        return KVDiskTier(directory, budget_bytes, model_key=key, dtype=geometry.dtype, block_shape=shape)
+
+    def _prefix_cache(self, prompt_cache, budget_bytes: int, disk: Optional[KVDiskTier] = None):
         from ttftc.runtime.prefix_cache import PrefixCache
 
         if isinstance(prompt_cache, PrefixCache):
             return prompt_cache
         if prompt_cache is True:
-            return PrefixCache(budget_bytes=budget_bytes)
+            return PrefixCache(budget_bytes=budget_bytes, disk=disk)
         if prompt_cache in (False, None):
             return None
         raise ValueError(f"prompt_cache must be True, False or a ttftc.runtime.PrefixCache, got {prompt_cache!r}")
@@ -503,8 +527,11 @@ class LLM:
 
     def close(self, drain_timeout_s: float = 30.0) -> int:
         """Finish the requests in flight (up to `drain_timeout_s`), cancel the rest, stop the engine thread.
-        Returns how many were cancelled."""
-        return self.loop.close(drain_timeout_s)
+        Returns how many were cancelled. With a disk tier, every cached block is written there, for the next start."""
+        cancelled = self.loop.close(drain_timeout_s)
+        if self.prefix_cache is not None:
+            self.prefix_cache.persist()
+        return cancelled
 
     def __enter__(self) -> "LLM":
         return self

@@ -87,6 +87,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--eager-kv-path", action="store_true",
                    help="run decode and cached-prefix prefill eagerly instead of compiling them (starts faster)")
     p.add_argument("--prefix-cache-mb", type=_positive, default=1024, help="prefix cache budget (default 1024)")
+    p.add_argument("--kv-disk", metavar="DIR",
+                   help="a disk tier for the prefix cache: blocks evicted from RAM, and all of them at shutdown, are "
+                   "kept in DIR (safetensors, checksummed; every file is checked before use), so a restart finds "
+                   "them; a hit is loaded where loading measures faster than recomputing. `ttftc cache list|clear "
+                   "DIR` shows or empties it")
+    p.add_argument("--kv-disk-mb", type=_positive, default=8192, help="the disk tier's budget (default 8192)")
     p.add_argument("--max-batch-tokens", type=_positive, default=DEFAULT_STEP_TOKENS,
                    help="scheduler token budget per step (decodes plus prefill tokens; default "
                    f"{DEFAULT_STEP_TOKENS}). It bounds a step's time and so the wait of a short request behind a "
@@ -147,6 +153,8 @@ def run(args) -> int:
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise UsageError(f"--tenant-priority names {repeated[0]!r} more than once; give each tenant one priority")
+    if args.kv_disk and args.no_prompt_cache:
+        raise UsageError("--kv-disk extends the prefix cache; leave out --no-prompt-cache")
     if names and not args.tenant_header:
         raise UsageError("--tenant-priority needs --tenant-header NAME: without it no request names a tenant")
     warm = []
@@ -175,7 +183,8 @@ def run(args) -> int:
                   prompt_cache=not args.no_prompt_cache, prefix_cache_bytes=args.prefix_cache_mb << 20,
                   artifact=args.artifact, max_batch_tokens=args.max_batch_tokens,
                   batch_window_ms=args.batch_window_ms, max_running=args.max_running, name=args.name,
-                  compile_kv_path=not args.eager_kv_path, batched_decode=not args.no_batched_decode)
+                  compile_kv_path=not args.eager_kv_path, batched_decode=not args.no_batched_decode,
+                  kv_disk=args.kv_disk, kv_disk_bytes=args.kv_disk_mb << 20)
     except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from None
     for note in llm.notes:

@@ -51,6 +51,19 @@ _PRIOR_SECONDS_PER_BYTE = 1e-9
 _EMA = 0.3  # weight of the latest load in the running measurement
 
 
+def model_key(model: torch.nn.Module, *settings: str) -> str:
+    """A digest of the model's weights (names, dtypes, shapes, bytes) and of `settings` that change its KV (the
+    precision it computes in, ttftc's version): blocks written under another key are never found."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}\0{data.dtype}\0{tuple(data.shape)}\0".encode())
+        digest.update(data.view(-1).view(torch.uint8).numpy().data if data.numel() else b"")
+    for setting in settings:
+        digest.update(b"\0" + setting.encode())
+    return digest.hexdigest()
+
+
 class DiskTierError(ValueError):
     """A disk tier the user configured cannot be used as given (a path that is not a directory, a bad budget)."""
 

@@ -35,7 +35,7 @@ import json
 import logging
 import math
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -154,7 +154,8 @@ class _Served:
             prefix_cache_bytes=(lambda: stats().bytes_held) if stats else (lambda: 0),
             pinned_tokens=(lambda: stats().pinned_tokens) if stats else (lambda: 0),
             pinned_prompts=(lambda: stats().pinned_prompts) if stats else (lambda: 0),
-            cost_terms=llm.scheduler.cost_model.coefficients)
+            cost_terms=llm.scheduler.cost_model.coefficients,
+            disk=_disk_figures(llm.prefix_cache) if llm.prefix_cache is not None and llm.prefix_cache.disk else None)
 
     def model_card(self) -> dict:
         geometry = self.llm.engine.geometry
@@ -340,3 +341,13 @@ class _Flight:
             served.metrics.requests.labels("disconnected").inc()
             return
         served.metrics.finished(output.completion())
+
+
+def _disk_figures(cache) -> Callable[[], dict]:
+    """The disk tier's figures for /metrics: the tier's own, and the hits the prefix cache loaded or declined."""
+    def figures() -> dict:
+        tier, stats = cache.disk.stats(), cache.stats()
+        return {"blocks": tier.blocks, "bytes": tier.bytes, "stored": tier.stored, "loaded": stats.disk_loaded_blocks,
+                "declined": stats.disk_declined_blocks, "refused": tier.refused}
+
+    return figures

@@ -27,7 +27,7 @@ class ServerMetrics:
     def __init__(self, *, running: Callable[[], float], waiting: Callable[[], float],
                  prefix_cache_bytes: Callable[[], float], kv_tokens: Callable[[], float],
                  pinned_tokens: Callable[[], float] = lambda: 0, pinned_prompts: Callable[[], float] = lambda: 0,
-                 cost_terms: Optional[Callable[[], dict]] = None):
+                 cost_terms: Optional[Callable[[], dict]] = None, disk: Optional[Callable[[], dict]] = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("ttftc_time_to_first_token_seconds", "Handler arrival to first token chunk sent",
@@ -64,6 +64,12 @@ class ServerMetrics:
               registry=r).set_function(pinned_tokens)
         Gauge("ttftc_prefix_cache_pinned_prompts", "Prompts pinned in the prefix cache (warm prompts)",
               registry=r).set_function(pinned_prompts)
+        if disk is not None:
+            tier = Gauge("ttftc_prefix_cache_disk", "The prefix cache's disk tier: blocks and bytes held; blocks stored, "
+                         "loaded on a hit, declined on a hit (recomputing measured faster), refused as invalid",
+                         ["quantity"], registry=r)
+            for quantity in ("blocks", "bytes", "stored", "loaded", "declined", "refused"):
+                tier.labels(quantity).set_function(lambda quantity=quantity: disk()[quantity])
         if cost_terms is not None:
             cost = Gauge("ttftc_cost_model", "The TTFT cost model's fit: seconds per prefill forward, token, token x "
                          "context token; per decode step and row; per step outside its forwards", ["term"], registry=r)
