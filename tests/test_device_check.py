@@ -1,5 +1,5 @@
 """scripts/device_check.sh: its bookkeeping (deadline, timeouts, summaries) here, and the whole script on CPU
-in its --dry-run (slow: about 2.5 minutes on a 2-core machine), so it cannot rot between GPU sessions."""
+in its --dry-run (about 2.5 minutes on a 2-core machine, in every CI run), so it cannot rot between GPU sessions."""
 
 from __future__ import annotations
 
@@ -117,7 +117,6 @@ def test_bad_arguments_and_a_machine_without_cuda_exit_2(tmp_path):
     assert not (tmp_path / "out").exists(), "refused runs write nothing"
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU stand-in for a GPU run")
 def test_dry_run_runs_every_step_on_cpu(tmp_path):
     out = tmp_path / "out"
