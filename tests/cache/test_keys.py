@@ -82,8 +82,8 @@ def test_keys_follow_the_device_type_and_the_gpu_model(model, monkeypatch):
 
 
 def _keys_module_in(root: Path):
-    """cache/keys.py imported from a copy of the ttftc package at `root` (it hashes the tree it lives in)."""
-    spec = importlib.util.spec_from_file_location(f"ttftc_keys_copy_{id(root)}", root / "ttftc" / "cache" / "keys.py")
+    """source_hash.py imported from a copy of the ttftc package at `root` (it hashes the tree it lives in)."""
+    spec = importlib.util.spec_from_file_location(f"ttftc_keys_copy_{id(root)}", root / "ttftc" / "source_hash.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules.pop(spec.name, None)

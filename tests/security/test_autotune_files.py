@@ -1,5 +1,5 @@
 """Issue 33, finding 6: the autotune cache reads only regular files of entry size, through the compile cache's
-reader (cache/confined.py: read_regular). A FIFO named x.json hung `ttftc compile` (the compile cache hashes every
+reader (ttftc/confined.py: read_regular). A FIFO named x.json hung `ttftc compile` (the compile cache hashes every
 autotune entry into its keys), and a symlink to /dev/zero was read until MemoryError.
 """
 

@@ -8,7 +8,7 @@
 `load_artifact` checks the manifest's schema (manifest.py), versions and checksums, then reads, hashes and checks
 every graph (graph_format.py: allow-listed targets, identifier names) before it returns a BucketedModel whose graphs
 are built from that data on first use: no Dynamo, no passes, no lowering, in the loading process. The artifact is
-untrusted data: no code runs from it, and no name in it leads outside its directory (cache/confined.py). Every
+untrusted data: no code runs from it, and no name in it leads outside its directory (ttftc/confined.py). Every
 failure is an ArtifactError naming the file and the remedy, raised by `load_artifact`, never at the first call.
 """
 
@@ -30,9 +30,10 @@ from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.cache.atomic import write_json
 from ttftc.cache.checksums import CHUNK_BYTES, chunk_digests, first_bad_chunk, sha256_file
-from ttftc.cache.confined import UnsafePathError, confined_path, read_regular, regular_file
+from ttftc.confined import UnsafePathError, confined_path, read_regular, regular_file
 from ttftc.cache.graph_format import ProgramSpec, encode_program, parse_program
-from ttftc.cache.keys import device_description, runtime_source_hash, versions
+from ttftc.cache.keys import device_description
+from ttftc.source_hash import runtime_source_hash, versions
 from ttftc.codegen.cpu._allocator import keep_freed_pages
 from ttftc.cache.schema import SchemaError
 from ttftc.config import Config
@@ -305,7 +306,7 @@ def load_artifact(directory: Path | str, *, device: Optional[str] = None, verify
     verify=False skips hashing the weights (the slow part); graph files are always hashed as they are read.
     """
     from ttftc.aot.weights import map_safetensors
-    from ttftc.runtime.bucketed import BucketedModel
+    from ttftc.buckets.bucketed import BucketedModel
 
     directory = Path(directory)
     raw = read_manifest(directory)

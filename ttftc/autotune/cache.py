@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from ttftc.autotune.space import knob_reason
-from ttftc.cache.confined import UnsafePathError, read_regular
+from ttftc.confined import UnsafePathError, read_regular
 
 SCHEMA = 1
 # An entry is a few hundred bytes; a file much larger is not one (and a link to /dev/zero is refused before this).

@@ -30,10 +30,11 @@ import torch
 from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.cache.atomic import atomic_path, write_json
-from ttftc.cache.confined import UnsafePathError, confined_path, read_regular, regular_file
+from ttftc.confined import UnsafePathError, confined_path, read_regular, regular_file
 from ttftc.cache.graph_format import GraphFormatError, decode_program, encode_program
 from ttftc.cache.schema import SHA256_HEX, as_str, field, plan_from_json
-from ttftc.cache.keys import combine, device_description, model_fingerprint, tensor_hash, ttftc_source_hash, versions
+from ttftc.cache.keys import combine, device_description, model_fingerprint, tensor_hash
+from ttftc.source_hash import ttftc_source_hash, versions
 from ttftc.config import Config
 
 CACHE_ENV = "TTFTC_COMPILE_CACHE"  # the compile cache directory itself, or "off"

@@ -38,6 +38,7 @@ from ttftc.codegen.lowered_ops import define_all as define_all_lowered_ops
 from ttftc.config import Config
 from ttftc.passes.graph_utils import inline_function
 from ttftc.report import Report
+from ttftc.source_hash import ttftc_source_hash
 
 
 class TtftcPostGradPass(CustomGraphPass):
@@ -65,8 +66,6 @@ class TtftcPostGradPass(CustomGraphPass):
             self.reports.append(report)
 
     def uuid(self) -> str:
-        from ttftc.cache.keys import ttftc_source_hash
-
         parts = [ttftc_source_hash(), self.config.digest()]
         if self.config.autotune:
             from ttftc.autotune.cache import AutotuneCache

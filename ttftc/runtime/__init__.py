@@ -9,7 +9,7 @@ Calls without a tenant share the engine's prefix cache; `tenant="acme"` isolates
 
 from ttftc._lazy import lazy_exports
 
-# Resolved on first use: loading an artifact imports runtime.bucketed only, not transformers (kv.py needs it).
+# Resolved on first use: importing ttftc.runtime loads neither transformers (kv.py needs it) nor the engine.
 _LAZY = {
     "ChunkTable": "ttftc.runtime.chunked", "FirstToken": "ttftc.runtime.chunked", "PrefillJob": "ttftc.runtime.chunked",
     "PrefillEngine": "ttftc.runtime.engine",

@@ -38,7 +38,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ttftc.cache.atomic import atomic_path
-from ttftc.cache.confined import UnsafePathError, read_regular
+from ttftc.confined import UnsafePathError, read_regular
 
 FORMAT = "ttftc-kv-block-1"
 _NAME = re.compile(r"^([0-9a-f]{64})\.safetensors$")

@@ -4,9 +4,19 @@ next to the latency CDFs."""
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
-from ttftc.bench.report import _write_atomically as write_atomically
-from ttftc.bench.report import write_json  # noqa: F401 (re-exported: the JSON output is the document as is)
+from ttftc.cache.atomic import write_bytes
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    write_bytes(Path(path), data)
+
+
+def write_json(doc: dict, path: str) -> None:
+    """The document as is, indented, in key order as built."""
+    write_atomically(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
 
 
 def _ms(value) -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from ttftc.cache.confined import UnsafePathError, read_regular
+from ttftc.confined import UnsafePathError, read_regular
 from ttftc.llm import LLM
 from ttftc.runtime.prefix_cache import CacheLease
 from ttftc.text import NoTokenizerError

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ttftc.cache.confined import UnsafePathError, confined_path, read_regular, regular_file
+from ttftc.confined import UnsafePathError, confined_path, read_regular, regular_file
 
 
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../../x", "a//b", "./a", "a\\b", "", "a/.", "-/x"])
