@@ -29,10 +29,15 @@ def test_rotary_rows_move_from_half_split_to_interleaved_pairs():
 
 
 def test_without_the_extra_the_variants_are_skipped_with_the_install_line(monkeypatch):
+    installed = {"gguf"}  # whatever this machine has: only the stand-in's answer counts
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(llamacpp.importlib.util, "find_spec",
-                        lambda name: None if name == "llama_cpp" else real_find_spec(name))
+                        lambda name: (object() if name in installed else None) if name in ("llama_cpp", "gguf")
+                        else real_find_spec(name))
     assert llamacpp.missing_reason() == 'llama-cpp-python not installed: pip install -e ".[llamacpp]"'
+    installed.clear()
+    assert llamacpp.missing_reason() == 'llama-cpp-python and gguf not installed: pip install -e ".[llamacpp]"'
+    installed.add("gguf")
     doc = run_bench(BenchSettings(model="tiny", seqs=(8,), variants=("llamacpp-q8_0", "eager-sdpa"), **QUICK))
     rows = {r["variant"]: r for r in doc["results"]}
     assert rows["llamacpp-q8_0"]["status"] == 'skipped: llama-cpp-python not installed: pip install -e ".[llamacpp]"'
