@@ -42,8 +42,11 @@ def saturating_u8_gemm(xq, x_scale, w_int8, w_scale, bias, out_dtype):
 # -- the policy, per CPU class ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cpu_class, ms, refused, chosen", [
-    # AMD EPYC Zen 3 (AVX2, no VNNI): _int_mm is ATen's plain loop, the u8 GEMM saturates (issue 29's figures).
-    ("avx2", {FP32: 11.7, "int_mm": 420.0}, {"onednn_u8": SATURATED}, FP32),
+    # AMD EPYC Zen 3 (AVX2, no VNNI): _int_mm is ATen's plain loop, the u8 GEMM saturates (issue 29's figures),
+    # and ttftc's exact native kernel (sign trick) beats fp32; without the extension, fp32 runs.
+    ("avx2", {FP32: 11.7, "int_mm": 420.0, "native_avx2": 7.2}, {"onednn_u8": SATURATED}, "native_avx2"),
+    ("avx2, no extension", {FP32: 11.7, "int_mm": 420.0}, {"onednn_u8": SATURATED,
+                                                           "native_avx2": "native kernels not built"}, FP32),
     # The same CPU class with a build whose oneDNN lacks the quantised linear.
     ("avx2, no qlinear", {FP32: 11.7, "int_mm": 420.0}, {"onednn_u8": "this torch build has no oneDNN"}, FP32),
     # Intel Xeon (AVX-512 + VNNI, no bf16).
