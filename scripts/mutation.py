@@ -88,7 +88,7 @@ GROUPS: dict[str, Group] = {
     "buckets-model": Group(
         ("ttftc/buckets/capture.py", "ttftc/buckets/compiled.py"),
         # test_plan.py: capture.py's analysis front end (adapter, example inputs, analyse_padding's refusals).
-        ("tests/buckets/test_bucketed.py", "tests/buckets/test_plan.py"),
+        ("tests/test_bucketed.py", "tests/buckets/test_plan.py"),
     ),
     "scheduler": Group(
         ("ttftc/runtime/scheduler.py",),

@@ -20,7 +20,7 @@ def compile(model: torch.nn.Module, config: Optional[Config] = None):  # noqa: A
         )
     if config is not None and config.buckets is not None:
         # Shape buckets: a wrapper that pads each prompt to its bucket and runs that bucket's graph directly.
-        from ttftc.buckets.bucketed import compile_bucketed
+        from ttftc.bucketed import compile_bucketed
 
         return compile_bucketed(model, config)
     return torch.compile(model, backend=TtftcBackend(config))

@@ -16,7 +16,7 @@ from tests.helpers import assert_logits_match, needs_transformers
 from ttftc import zoo
 from ttftc.aot import ArtifactError, build_artifact, read_manifest
 from ttftc.cache.checksums import sha256_file
-from ttftc.buckets.bucketed import PromptTooLongError
+from ttftc.bucketed import PromptTooLongError
 
 pytestmark = needs_transformers
 BUCKETS = (16, 32)

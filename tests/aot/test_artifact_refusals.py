@@ -23,7 +23,7 @@ from ttftc.aot.artifact import write_artifact
 from ttftc.aot.manifest import ARTIFACT_FORMAT, MANIFEST, WEIGHTS
 from ttftc.buckets.compiled import CompiledGraphs
 from ttftc.buckets.program import GraphSignature
-from ttftc.buckets.bucketed import compile_bucketed
+from ttftc.bucketed import compile_bucketed
 
 pytestmark = needs_transformers
 BUCKETS = (16,)

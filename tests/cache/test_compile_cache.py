@@ -13,7 +13,7 @@ from ttftc import zoo
 from ttftc.buckets.compiled import CompiledGraphs
 from ttftc.buckets.program import GraphSignature
 from ttftc.cache import CompileCache, default_cache_dir
-from ttftc.buckets.bucketed import compile_bucketed
+from ttftc.bucketed import compile_bucketed
 
 pytestmark = needs_transformers
 CONFIG = ttftc.Config(buckets=(16,))

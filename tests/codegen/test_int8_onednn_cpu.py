@@ -116,7 +116,7 @@ def test_a_compile_cache_hit_repacks_the_weights_it_loads(tmp_path, monkeypatch)
     import ttftc
     from ttftc import zoo
     from ttftc.cache import CompileCache
-    from ttftc.buckets.bucketed import compile_bucketed
+    from ttftc.bucketed import compile_bucketed
 
     pytest.importorskip("transformers")
     config = ttftc.Config(buckets=(16,), precision="int8")

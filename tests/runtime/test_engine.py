@@ -228,7 +228,7 @@ class CountingPrefill:
 
 @pytest.fixture(scope="module")
 def bucketed_llama():
-    from ttftc.buckets.bucketed import compile_bucketed
+    from ttftc.bucketed import compile_bucketed
 
     model = zoo.build("llama", "sdpa")
     return model, compile_bucketed(model, ttftc.Config(buckets=(16, 32)), cache=None)

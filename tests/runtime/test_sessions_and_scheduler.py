@@ -182,7 +182,7 @@ def test_slots_bound_the_requests_in_flight_and_a_cancel_frees_one():
 
 
 def test_cold_prompts_of_one_step_prefill_together_with_the_serial_results():
-    from ttftc.buckets.bucketed import compile_bucketed
+    from ttftc.bucketed import compile_bucketed
     import ttftc
 
     model = zoo.build("llama", "sdpa")

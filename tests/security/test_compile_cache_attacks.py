@@ -18,7 +18,7 @@ from tests.security.attack import read_json, write_json
 from ttftc import zoo
 from ttftc.aot import build_artifact
 from ttftc.cache import CompileCache
-from ttftc.buckets.bucketed import compile_bucketed
+from ttftc.bucketed import compile_bucketed
 
 pytestmark = needs_transformers
 CONFIG = ttftc.Config(buckets=(16,))

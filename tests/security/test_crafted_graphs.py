@@ -115,7 +115,7 @@ def test_an_embedding_shrunk_below_the_vocabulary_is_refused_at_load(artifact):
 def test_a_compile_cache_entry_with_a_meta_tensor_is_a_miss(tmp_path):
     from ttftc import zoo
     from ttftc.cache import CompileCache
-    from ttftc.buckets.bucketed import compile_bucketed
+    from ttftc.bucketed import compile_bucketed
 
     config, model = ttftc.Config(buckets=(16,)), zoo.build("llama", "sdpa")
     ids = zoo.example_ids(model, 10)

@@ -9,7 +9,7 @@ from tests.helpers import needs_transformers
 from tests.security.attack import read_json
 from tests.security.conftest import PROMPT
 from ttftc import zoo
-from ttftc.buckets.bucketed import compile_bucketed
+from ttftc.bucketed import compile_bucketed
 
 pytestmark = needs_transformers
 

@@ -306,7 +306,7 @@ def load_artifact(directory: Path | str, *, device: Optional[str] = None, verify
     verify=False skips hashing the weights (the slow part); graph files are always hashed as they are read.
     """
     from ttftc.aot.weights import map_safetensors
-    from ttftc.buckets.bucketed import BucketedModel
+    from ttftc.bucketed import BucketedModel
 
     directory = Path(directory)
     raw = read_manifest(directory)

@@ -1,6 +1,6 @@
 """Shape bucketing: the padding-safety plan, the bucket table, and per-bucket graph capture.
 
-The runtime wrapper that pads prompts and dispatches to the bucket graphs is ttftc.buckets.bucketed.
+The runtime wrapper that pads prompts and dispatches to the bucket graphs is ttftc.bucketed.
 """
 
 from ttftc.buckets.program import GraphProgram, GraphSignature

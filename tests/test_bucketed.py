@@ -12,7 +12,7 @@ from tests.graph_checks import lowered_ops
 from tests.helpers import assert_logits_match, needs_transformers, zoo_cases
 from ttftc import zoo
 from ttftc.buckets.table import DEFAULT_BUCKETS
-from ttftc.buckets.bucketed import BucketedModel, PromptTooLongError, compile_bucketed
+from ttftc.bucketed import BucketedModel, PromptTooLongError, compile_bucketed
 
 pytestmark = needs_transformers
 
