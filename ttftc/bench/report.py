@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -121,13 +122,17 @@ def ablation_table(doc: dict, *, markdown: bool = False) -> str:
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [header] + rows)
 
 
+def _pyplot():
+    """pyplot on Agg, the backend that only writes files (importing pyplot does not pick a backend yet)."""
+    import matplotlib.pyplot as plt  # lazy: the [bench] extra, which only --plot needs
+
+    plt.switch_backend("Agg")
+    return plt
+
+
 def write_plot(doc: dict, path: str) -> None:
     """TTFT p50 against sequence length per variant (p95 as the error bar), with each dtype's bound as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 5))
     seqs = doc["settings"]["seqs"]
     for variant in doc["settings"]["variants"]:
@@ -188,10 +193,8 @@ def summary_lines(doc: dict) -> list[str]:
 
 
 def plot_available() -> Optional[str]:
-    """None when matplotlib can be imported, else why --plot cannot work."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    """None when matplotlib is installed, else why --plot cannot work."""
+    if importlib.util.find_spec("matplotlib") is None:
         return "--plot needs matplotlib: pip install 'ttftc[bench]'"
     return None
 

@@ -111,6 +111,13 @@ class RequestResult:
         return (self.estimated_ttft_ms - measured_ms) / measured_ms if measured_ms > 0 else None
 
 
+def openai_module():
+    """The `openai` package, the client every measurement of a server here drives it with."""
+    import openai  # lazy: a dependency of the [dev] extra, not of ttftc; only the clients that measure need it
+
+    return openai
+
+
 def _prompt(rng: random.Random, shared: list[int], length: int, vocab: int) -> list[int]:
     return shared + [rng.randrange(vocab) for _ in range(length - len(shared))]
 
@@ -125,8 +132,7 @@ def _header_number(headers, name: str) -> Optional[float]:
 
 async def _one(client, model: str, spec: LoadSpec, result: RequestResult, prompt: list[int], start: float,
                headers: dict) -> None:
-    import openai
-
+    rate_limited = openai_module().RateLimitError
     result.sent_s = time.perf_counter() - start
     try:
         async with client.completions.with_streaming_response.create(
@@ -146,7 +152,7 @@ async def _one(client, model: str, spec: LoadSpec, result: RequestResult, prompt
                             result.first_token_s = now
                         result.token_times_s.append(now)
                         result.output_tokens += max(1, len(ids))
-    except openai.RateLimitError as exc:  # refused by admission control: a result of its own, not an error
+    except rate_limited as exc:  # refused by admission control: a result of its own, not an error
         result.rejected = True
         result.retry_after_s = _header_number(exc.response.headers, "retry-after")
         result.estimated_ttft_ms = _header_number(exc.response.headers, ESTIMATE_HEADER)
@@ -169,9 +175,7 @@ async def _discover(client, spec: LoadSpec) -> tuple[str, int]:
 
 async def run_load(spec: LoadSpec) -> dict:
     """Run the load described by `spec` and return the report document (see loadtest_report)."""
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=spec.url.rstrip("/") + "/v1", api_key="ttftc-loadtest", max_retries=0,
+    client = openai_module().AsyncOpenAI(base_url=spec.url.rstrip("/") + "/v1", api_key="ttftc-loadtest", max_retries=0,
                                 timeout=spec.request_timeout_s)
     try:
         model, vocab = await _discover(client, spec)

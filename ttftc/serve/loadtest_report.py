@@ -132,13 +132,17 @@ def write_comparison_markdown(docs: list[dict], path: str) -> None:
     write_atomically(path, (text + "".join("\n" + markdown(doc) for doc in docs)).encode())
 
 
+def _pyplot():
+    """pyplot on Agg, the backend that only writes files (importing pyplot does not pick a backend yet)."""
+    import matplotlib.pyplot as plt  # lazy: the [bench] extra, which only --plot needs
+
+    plt.switch_backend("Agg")
+    return plt
+
+
 def write_plot(doc: dict, path: str) -> None:
     """Left: each request's TTFT at its arrival time (the SLO as a line). Right: CDFs of TTFT and ITL."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     slo = doc["settings"]["slo_ttft_ms"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for kind, marker in (("short", "o"), ("long", "s")):
