@@ -82,7 +82,7 @@ def weights_as_attributes(dynamo_gm: fx.GraphModule, inputs: Sequence,
     module owns. Handing them back to the module is what lets Inductor freeze them, whatever Dynamo's settings
     were while it traced.
     """
-    from ttftc.passes.graph_utils import copy_graph
+    from ttftc.fx_utils import copy_graph
 
     gm = fx.GraphModule(dynamo_gm, copy_graph(dynamo_gm.graph))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

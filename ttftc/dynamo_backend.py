@@ -24,7 +24,7 @@ import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc.*)
 from ttftc.capture import (FlatInputs, flat_inputs, freeze_weights, is_weight, retrace_with_symbolic_lengths,
                            weights_as_attributes)
 from ttftc.config import Config
-from ttftc.passes.graph_utils import copy_graph
+from ttftc.fx_utils import copy_graph
 from ttftc.pipeline import run_pipeline
 from ttftc.report import Report
 

@@ -19,7 +19,7 @@ import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc)
 from ttftc.capabilities import Capabilities
 from ttftc.ops.int8_linear import quantize_per_token
 from ttftc.passes import _bf16_rewrite, _module_names, _quant_patterns, _w8a8_rewrite
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes import precision as pp
 from ttftc.passes._precision_common import Casts, is_cast_to, rewire_tuple
 

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ttftc.codegen.lowered_ops import define_all as define_all_lowered_ops
 from ttftc.config import Config
-from ttftc.passes.graph_utils import inline_function
+from ttftc.fx_utils import inline_function
 from ttftc.report import Report
 from ttftc.source_hash import ttftc_source_hash
 

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from ttftc.codegen.tuned_per_shape import TunedPerShape
 from ttftc.ops.registry import get_op, op_name_of
-from ttftc.passes.graph_utils import inline_function, refresh_meta
+from ttftc.fx_utils import inline_function, refresh_meta
 
 PROVIDER_PACKAGES = ("inductor", "triton", "npu", "cpu")
 # Every module that registers a lowering or a lowering's search space, grouped by provider in PROVIDER_PACKAGES

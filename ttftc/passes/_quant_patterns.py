@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes._linear import up_row_views
 from ttftc.passes._precision_common import FLOATS, is_cast_to
 

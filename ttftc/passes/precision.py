@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from ttftc.capabilities import Capabilities, measured_bf16_speedup, probe
 from ttftc.passes import _bf16_rewrite, _w8a8_rewrite
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes._linear import match_linear
 from ttftc.passes._module_names import describe, node_module_names
 from ttftc.passes._precision_common import FLOATS, Casts
