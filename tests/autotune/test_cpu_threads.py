@@ -7,11 +7,11 @@ import ttftc
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, SearchSpace, TensorSpec, space_for
-from ttftc.autotune.tuner import OpInstance, tune_instances
 from ttftc.codegen.cpu import _threads
 from ttftc.codegen.cpu import attention as cpu_attention
 from ttftc.codegen.cpu._threads import honours_num_threads, intra_op_threads, thread_counts, with_thread_axis
 from ttftc.codegen.lowering import load_providers
+from ttftc.tuning.tuner import OpInstance, tune_instances
 
 THREADED_OPS = ("attention", "norm_linear", "gated_ffn", "linear_act", "linear", "int8_linear")
 

@@ -10,8 +10,8 @@ from tests.helpers import needs_triton
 from ttftc.autotune import space as space_module
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.space import Problem, TensorSpec, space_for
-from ttftc.autotune.tuner import OpInstance, tune_instances
 from ttftc.codegen.lowering import load_providers
+from ttftc.tuning.tuner import OpInstance, tune_instances
 
 pytestmark = [needs_triton, pytest.mark.interpreter]
 

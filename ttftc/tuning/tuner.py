@@ -19,9 +19,9 @@ import torch
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, SearchSpace, random_inputs, space_for
-from ttftc.autotune.timing import WallTimer
 from ttftc.codegen.lowering import load_providers, lowerings_for
 from ttftc.ops.registry import all_ops, get_op
+from ttftc.tuning.timing import WallTimer
 
 # Tolerances for accepting a candidate's output against the reference, per output dtype.
 _ACCEPT = {torch.float32: (1e-3, 1e-3), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
@@ -221,7 +221,7 @@ def _progress(total: int, *, enabled: bool):
     if not enabled:
         return _NoProgress()
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # lazy: optional dependency (the bench extra); without it there is no progress bar
     except ImportError:
         return _NoProgress()
     # tqdm shows elapsed time and the ETA from the candidates left.
