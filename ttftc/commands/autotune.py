@@ -54,4 +54,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--retune", action="store_true", help="measure again even where the cache has an entry")
     p.add_argument("--show", action="store_true", help="list the cache's contents and exit")
     p.set_defaults(run_module="ttftc.commands.autotune_run")
-

@@ -73,4 +73,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG plot of TTFT against length")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run_module="ttftc.commands.bench_run")
-

@@ -10,4 +10,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("directory", metavar="DIR", help="the --kv-disk directory")
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.set_defaults(run_module="ttftc.commands.cache_run")
-

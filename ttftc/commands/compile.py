@@ -49,4 +49,3 @@ def add_parser(subparsers) -> None:
                    help="rebuild DIR from the source model and options its manifest records (MODEL overrides "
                         "the recorded model)")
     p.set_defaults(run_module="ttftc.commands.compile_run")
-

@@ -28,4 +28,3 @@ def add_parser(subparsers) -> None:
                    help="predict TTFT on this accelerator from the graph's FLOPs and bytes and its published peaks "
                    "(ttftc/bench/devices.json), with per-op bounds and the kernel configs its target would get")
     p.set_defaults(run_module="ttftc.commands.explain_run")
-

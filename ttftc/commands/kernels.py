@@ -45,4 +45,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--build-ascend-venv", action="store_true",
                    help="build triton-ascend's virtual environment if it is missing (pip install)")
     p.set_defaults(run_module="ttftc.commands.kernels_run")
-

@@ -77,4 +77,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--md", metavar="PATH", help="write the report as Markdown")
     p.add_argument("--plot", metavar="PATH.png", help="write TTFT over time and the latency CDF as a PNG")
     p.set_defaults(run_module="ttftc.commands.loadtest_run")
-

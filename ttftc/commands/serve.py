@@ -135,4 +135,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=_positive, help="torch intra-op threads (default: one per core)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(run_module="ttftc.commands.serve_run")
-
