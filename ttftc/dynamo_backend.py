@@ -126,8 +126,8 @@ class TtftcBackend:
         return _WeightGuard(inputs.weight_indices, inputs.tensors, run, compile_for)
 
     def _compile_inductor(self, dynamo_gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
-        """The Inductor code generator (codegen/inductor_pass.py), on a graph that owns the model's weights."""
-        from ttftc.codegen.inductor_pass import TtftcPostGradPass, compile_with_inductor
+        """The Inductor code generator (ttftc/inductor_pass.py), on a graph that owns the model's weights."""
+        from ttftc.inductor_pass import TtftcPostGradPass, compile_with_inductor  # lazy: slow Inductor imports
 
         weight_indices = frozenset(i for i, x in enumerate(example_inputs) if is_weight(x))
 

@@ -6,7 +6,7 @@ import torch
 
 from ttftc.autotune import space as space_module
 from ttftc.autotune.space import Problem, SearchSpace, TensorSpec, register_space, space_for
-from ttftc.codegen.lowering import load_providers
+from ttftc.codegen.providers import load_providers
 from ttftc.codegen.triton import attention_ascend
 from ttftc.codegen.triton import ascend_device
 from ttftc.codegen.triton.ascend_device import ATLAS_A2, AscendDevice, launch_grid

@@ -14,7 +14,7 @@ import pytest
 from ttftc.autotune.cache import MAX_ENTRY_BYTES, AutotuneCache, TuneKey
 from ttftc.autotune.space import knob_reason, tuning_axes
 from ttftc.cache.graph_calls import GraphFormatError, _check_tuning
-from ttftc.codegen.lowering import load_providers
+from ttftc.codegen.providers import load_providers
 
 KEY = TuneKey(device="cpu:test:2 threads", op="attention", provider="cpu", shapes="1x2x16x16:float32",
               dtype="float32")

@@ -33,7 +33,7 @@ import torch
 from ttftc.autotune.space import Problem, SearchSpace, register_space
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.ops.attention import attention_mask
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
