@@ -10,7 +10,7 @@ from ttftc.autotune.space import Problem, SearchSpace, TensorSpec, space_for
 from ttftc.codegen.cpu import _threads
 from ttftc.codegen.cpu import attention as cpu_attention
 from ttftc.codegen.cpu._threads import honours_num_threads, intra_op_threads, thread_counts, with_thread_axis
-from ttftc.codegen.lowering import load_providers
+from ttftc.codegen.providers import load_providers
 from ttftc.tuning.tuner import OpInstance, tune_instances
 
 THREADED_OPS = ("attention", "norm_linear", "gated_ffn", "linear_act", "linear", "int8_linear")

@@ -10,7 +10,7 @@ from tests.helpers import needs_triton
 from ttftc.autotune import space as space_module
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.space import Problem, TensorSpec, space_for
-from ttftc.codegen.lowering import load_providers
+from ttftc.codegen.providers import load_providers
 from ttftc.tuning.tuner import OpInstance, tune_instances
 
 pytestmark = [needs_triton, pytest.mark.interpreter]

@@ -10,8 +10,8 @@ from ttftc.autotune import space as space_module
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, SearchSpace, TensorSpec
-from ttftc.codegen import lowering
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen import registry as lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.tuning.tuner import OpInstance, summary_table, tune_instances
 
 PROBLEM = Problem(

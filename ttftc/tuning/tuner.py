@@ -19,7 +19,8 @@ import torch
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, SearchSpace, random_inputs, space_for
-from ttftc.codegen.lowering import load_providers, lowerings_for
+from ttftc.codegen.providers import load_providers
+from ttftc.codegen.registry import lowerings_for
 from ttftc.ops.registry import all_ops, get_op
 from ttftc.tuning.timing import WallTimer
 

@@ -24,7 +24,8 @@ import torch
 import torch.fx as fx
 
 from ttftc.autotune.space import Problem
-from ttftc.codegen.lowering import LoweringContext, load_providers, lowerings_for
+from ttftc.codegen.providers import load_providers
+from ttftc.codegen.registry import LoweringContext, lowerings_for
 from ttftc.codegen.triton import attention, ffn, int8_linear, norm, rope
 from ttftc.codegen.triton.ascend_device import AscendDevice
 from ttftc.codegen.triton.attention_ascend import ascend_attention_space
