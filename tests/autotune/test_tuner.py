@@ -10,7 +10,7 @@ from ttftc.autotune import space as space_module
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, SearchSpace, TensorSpec
-from ttftc.codegen import registry as lowering
+from ttftc.codegen import registry
 from ttftc.codegen.registry import register_lowering
 from ttftc.tuning.tuner import OpInstance, summary_table, tune_instances
 
@@ -35,8 +35,7 @@ def _rows_must_divide(config, problem):
 
 @pytest.fixture
 def toy_space(monkeypatch):
-    monkeypatch.setattr(lowering, "_LOWERINGS", {})
-    monkeypatch.setattr(lowering, "_providers_loaded", True)
+    monkeypatch.setattr(registry, "_LOWERINGS", {})
     monkeypatch.setattr(space_module, "_SPACES", {})
     register_lowering("gated_ffn", "toy", unsupported_reason=lambda ctx, *a, **k: None)(_toy_impl)
     return space_module.register_space(
@@ -111,7 +110,7 @@ def test_compile_uses_the_cached_config(toy_space, tmp_path, monkeypatch):
         seen.append(tuning_config)
         return _toy_impl(*args, tuning_config=tuning_config, **kwargs)
 
-    monkeypatch.setattr(lowering, "_LOWERINGS", {})
+    monkeypatch.setattr(registry, "_LOWERINGS", {})
     register_lowering("gated_ffn", "toy", unsupported_reason=lambda ctx, *a, **k: None)(spy)
 
     def fn(x, wgu, wd):

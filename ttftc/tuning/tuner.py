@@ -19,7 +19,7 @@ import torch
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, SearchSpace, random_inputs, space_for
-from ttftc.codegen.providers import load_providers
+import ttftc.codegen.providers  # noqa: F401  (importing it registers every lowering and search space)
 from ttftc.codegen.registry import lowerings_for
 from ttftc.ops.registry import all_ops, get_op
 from ttftc.tuning.timing import WallTimer
@@ -160,7 +160,6 @@ def collect_problems(graph_modules: Iterable[torch.fx.GraphModule], bucket: Opti
 
 
 def _impl_for(op: str, provider: str) -> Optional[Callable]:
-    load_providers()
     return next((e.impl for e in lowerings_for(op) if e.provider == provider), None)
 
 

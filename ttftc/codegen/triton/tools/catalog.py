@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from ttftc.autotune.space import Problem
-from ttftc.codegen.providers import load_providers
+import ttftc.codegen.providers  # noqa: F401  (importing it registers every lowering and search space)
 from ttftc.codegen.registry import LoweringContext, lowerings_for
 from ttftc.codegen.triton import attention, ffn, int8_linear, norm, rope
 from ttftc.codegen.triton.ascend_device import AscendDevice
@@ -267,7 +267,6 @@ class KernelChoice:
 
 def _triton_refusal(op: str, target: Target, args: tuple, kwargs: dict) -> Optional[str]:
     """The Triton lowering's own capability answer for these operands on the target's device type."""
-    load_providers()
     entry = next((e for e in lowerings_for(op) if e.provider == "triton"), None)
     if entry is None:
         return "no Triton lowering: the vendor library (or torch) runs it"
