@@ -23,6 +23,9 @@ from typing import Optional
 
 import torch
 
+from ttftc.codegen.cpu import _native
+from ttftc.codegen.cpu import attention as cpu_attention
+
 # Overrides the probe's answer ("0" or "1"): for a machine the probe gets wrong, and for tests that must not
 # depend on the CPU they run on.
 NATIVE_BF16_ENV = "TTFTC_NATIVE_BF16"
@@ -107,9 +110,8 @@ def measured_bf16_speedup() -> float:
 def measured_bf16_attention_speedup() -> float:
     """fp32 time / bf16 time of causal prefill attention (8 heads x 512 tokens x 64) on this CPU, each dtype on its
     fastest CPU kernel (ttftc's native fp32 kernel, ATen's flash kernel, or the GEMM-blocked one), measured once."""
-    from ttftc.codegen.cpu.attention import kernel_seconds  # the kernels the CPU lowering will run
-
-    return min(kernel_seconds(torch.float32).values()) / min(kernel_seconds(torch.bfloat16).values())
+    seconds = cpu_attention.kernel_seconds  # the kernels the CPU lowering will run
+    return min(seconds(torch.float32).values()) / min(seconds(torch.bfloat16).values())
 
 
 def _cpu() -> Capabilities:
@@ -130,8 +132,6 @@ def _cpu() -> Capabilities:
     int8_dot = bool(flags and {"avx512_vnni", "avx_vnni", "amx_int8", "i8mm", "asimddp"} & flags)
     amx = bool(flags and {"amx_tile", "amx_bf16", "amx_int8"} & flags)
     attention = measured_bf16_attention_speedup() if native and override is None else None
-    from ttftc.codegen.cpu import _native  # what the CPU lowerings will run with
-
     kernels = _native.isa() or _native.unavailable_reason()
     return Capabilities("cpu", name, native, evidence, int8_dot, amx, watched, attention, kernels)
 

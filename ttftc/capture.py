@@ -13,6 +13,9 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo import symbolic_convert
+
+from ttftc.fx_utils import copy_graph
 
 aten = torch.ops.aten
 
@@ -82,8 +85,6 @@ def weights_as_attributes(dynamo_gm: fx.GraphModule, inputs: Sequence,
     module owns. Handing them back to the module is what lets Inductor freeze them, whatever Dynamo's settings
     were while it traced.
     """
-    from ttftc.fx_utils import copy_graph
-
     gm = fx.GraphModule(dynamo_gm, copy_graph(dynamo_gm.graph))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     chosen = set(weight_indices)
@@ -122,9 +123,7 @@ def retrace_with_symbolic_lengths(example_inputs: Sequence) -> None:
         return
     restart = getattr(torch._dynamo.exc, "TensorifyScalarRestartAnalysis", None)
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
+        tx = symbolic_convert.InstructionTranslator.current_tx()
         speculation_log = tx.speculation_log
     except (ImportError, AttributeError, AssertionError):
         return

@@ -36,7 +36,7 @@ import torch
 
 from ttftc import __version__ as TTFTC_VERSION
 from ttftc.aot.artifact import MANIFEST, read_manifest
-from ttftc.aot.build import load as load_artifact
+from ttftc.aot.load import load as load_artifact
 from ttftc.api import compile as ttftc_compile
 from ttftc.config import Config
 from ttftc.dynamo_backend import TtftcBackend
