@@ -22,7 +22,7 @@ import torch
 from ttftc.llm import LLM
 from ttftc.runtime.prefix_cache import PRIVATE
 from ttftc.serve.app import create_app
-from ttftc.serve.loadtest import openai_module
+from ttftc.bench.loadtest import openai_module
 from ttftc.serve.server import BackgroundServer
 
 

@@ -63,6 +63,9 @@ def add_parser(subparsers) -> None:
                    help="with --long-prompt-len: another long prompt every S seconds after the first, while arrivals "
                    "last (default 0: one per run), so the short requests' p95 rests on more than two or three of "
                    "them meeting one")
+    p.add_argument("--long-priority", type=int, default=None, metavar="P",
+                   help="with --long-prompt-len: send the long prompts with request priority P (lower runs sooner; "
+                   "default: no priority field, so they run as the short ones do)")
     p.add_argument("--slo-ttft-ms", type=seconds, default=700.0, help="the TTFT SLO of goodput (default 700)")
     p.add_argument("--model", help="model name (default: the first the server lists)")
     p.add_argument("--header", type=_header, action="append", default=[], metavar="NAME:VALUE",

@@ -8,8 +8,8 @@ import sys
 
 from ttftc.bench.report import plot_available
 from ttftc.commands import UsageError
-from ttftc.serve import loadtest_report as report
-from ttftc.serve.loadtest import LoadSpec, run_load
+from ttftc.bench import loadtest_report as report
+from ttftc.bench.loadtest import LoadSpec, run_load
 
 
 def run(args) -> int:
@@ -28,7 +28,7 @@ def run(args) -> int:
         spec = LoadSpec(url=args.url, rate=args.rate, duration_s=args.duration, prompt_len=args.prompt_len,
                         shared_prefix=args.shared_prefix, max_tokens=args.max_tokens, concurrency=args.concurrency,
                         slo_ttft_ms=args.slo_ttft_ms, long_prompt_len=args.long_prompt_len,
-                        long_every_s=args.long_every, model=args.model,
+                        long_every_s=args.long_every, long_priority=args.long_priority, model=args.model,
                         headers=tuple(args.header), seed=args.seed, request_timeout_s=args.request_timeout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

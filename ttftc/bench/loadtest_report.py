@@ -7,11 +7,7 @@ import io
 import json
 from pathlib import Path
 
-from ttftc.cache.atomic import write_bytes
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    write_bytes(Path(path), data)
+from ttftc.bench.report import pyplot, write_atomically
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -132,17 +128,9 @@ def write_comparison_markdown(docs: list[dict], path: str) -> None:
     write_atomically(path, (text + "".join("\n" + markdown(doc) for doc in docs)).encode())
 
 
-def _pyplot():
-    """pyplot on Agg, the backend that only writes files (importing pyplot does not pick a backend yet)."""
-    import matplotlib.pyplot as plt  # lazy: the [bench] extra, which only --plot needs
-
-    plt.switch_backend("Agg")
-    return plt
-
-
 def write_plot(doc: dict, path: str) -> None:
     """Left: each request's TTFT at its arrival time (the SLO as a line). Right: CDFs of TTFT and ITL."""
-    plt = _pyplot()
+    plt = pyplot()
     slo = doc["settings"]["slo_ttft_ms"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for kind, marker in (("short", "o"), ("long", "s")):

@@ -53,6 +53,7 @@ class LoadSpec:
     slo_ttft_ms: float = 700.0
     long_prompt_len: int = 0
     long_every_s: float = 0.0  # 0: one long prompt per run
+    long_priority: Optional[int] = None  # the long prompts' request `priority` (lower runs sooner); None: not sent
     model: Optional[str] = None  # None: the first model the server lists
     headers: tuple[tuple[str, str], ...] = ()
     seed: int = 0
@@ -75,6 +76,8 @@ class LoadSpec:
             raise ValueError(f"--long-every must be a finite number of seconds >= 0, got {self.long_every_s}")
         if self.long_every_s and not self.long_prompt_len:
             raise ValueError("--long-every needs --long-prompt-len")
+        if self.long_priority is not None and not self.long_prompt_len:
+            raise ValueError("--long-priority needs --long-prompt-len")
 
 
 @dataclass
@@ -132,12 +135,15 @@ def _header_number(headers, name: str) -> Optional[float]:
 
 async def _one(client, model: str, spec: LoadSpec, result: RequestResult, prompt: list[int], start: float,
                headers: dict) -> None:
+    body = {"ignore_eos": True}
+    if result.kind == "long" and spec.long_priority is not None:
+        body["priority"] = spec.long_priority
     rate_limited = openai_module().RateLimitError
     result.sent_s = time.perf_counter() - start
     try:
         async with client.completions.with_streaming_response.create(
                 model=model, prompt=prompt, max_tokens=spec.max_tokens, temperature=0.0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, extra_headers=headers,
+                stream_options={"include_usage": True}, extra_body=body, extra_headers=headers,
                 timeout=spec.request_timeout_s) as response:
             result.estimated_ttft_ms = _header_number(response.headers, ESTIMATE_HEADER)
             async for chunk in await response.parse():
