@@ -63,6 +63,7 @@ DEFAULT_KV_DISK_BYTES = 8 << 30
 # a 128-token chunk of a long prompt, so a short request waits for one such step, not for a long prefill.
 DEFAULT_STEP_TOKENS = 512
 DEFAULT_CHUNK_TOKENS = 128
+COMPILE_STOP_TIMEOUT_S = 600  # the most close() waits for the background compile's graph in hand
 _FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "cancelled", "error": "error"}
 
 Prompt = Union[str, Sequence[int]]
@@ -416,7 +417,8 @@ class LLM:
         started = time.perf_counter()
         warm_kv_path(engine)
         warm_batched_decode(engine)
-        self._progress(f"KV path compiled in {time.perf_counter() - started:.1f} s")
+        done = "compiled" if engine.model is not self.model else "warmed up (eager)"
+        self._progress(f"KV path {done} in {time.perf_counter() - started:.1f} s")
 
     def _progress(self, line: str) -> None:
         if self.on_progress is not None:
@@ -545,9 +547,15 @@ class LLM:
         if self._compiler is not None:
             self._compiler.stop(timeout_s=0)  # no new graph from now on
         cancelled = self.loop.close(drain_timeout_s)
-        if self._compiler is not None and not self._compiler.stop(timeout_s=max(drain_timeout_s, 1.0)):
-            warnings.warn("ttftc.LLM.close: the background compile is still in a graph's compile; its thread ends "
-                          "with it (a daemon: it does not hold the process)", stacklevel=2)
+        compiler = self._compiler
+        if compiler is not None and not compiler.stop(timeout_s=drain_timeout_s):
+            # A process that exits while a thread is inside a compile aborts in C++ (std::terminate): wait for the
+            # graph in hand, which starts no other.
+            warnings.warn("ttftc.LLM.close: waiting for the background compile to finish the graph in hand",
+                          stacklevel=2)
+            if not compiler.stop(timeout_s=COMPILE_STOP_TIMEOUT_S):
+                warnings.warn("ttftc.LLM.close: the background compile did not finish its graph in "
+                              f"{COMPILE_STOP_TIMEOUT_S} s; closing without it", stacklevel=2)
         if self.prefix_cache is not None:
             self.prefix_cache.persist()
         return cancelled

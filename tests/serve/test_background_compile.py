@@ -112,14 +112,16 @@ def test_serves_while_compiling_then_each_bucket_switches_over(monkeypatch):
         assert json.loads(get(server.url + "/health")[1])["buckets_compiling"] == 1
 
         gates.open(64)
-        wait_until(lambda: llm.compile_status()["buckets_compiling"] == 0, GATE_TIMEOUT_S, "the last bucket")
+        assert llm._compiler.done.wait(GATE_TIMEOUT_S), "the compile ends"
         assert re.fullmatch(r"bucket 64 compiled in \d+\.\d s \(2/2\)", lines[1]), lines
+        assert re.fullmatch(r"bucket 32 batch sizes 2 compiled in \d+\.\d s", lines[2]), lines
         assert complete(client, longer) == eager_longer and llm.engine.bucketed_prompts == 2
         text = scrape(server)
         assert metric(text, "ttftc_buckets_compiling") == 0 and metric(text, "ttftc_buckets_compiled") == 2
         assert metric(text, "ttftc_buckets_failed") == 0 and metric(text, "ttftc_kv_path_compiled") == 0
-        # each bucket's batch-1 graph compiled first (it makes the bucket usable), then its batched one
-        assert gates.started == [(32, 1), (32, 2), (64, 1)], "64 x 2 is over the 64-token batch cap"
+        # every bucket's batch-1 graph first (it makes the bucket usable), then the batched ones
+        assert gates.started == [(32, 1), (64, 1), (32, 2)], "64 x 2 is over the 64-token batch cap"
+        assert llm.engine.ready_batches == {32: (2, 1), 64: (1,)}
     finally:
         stop(gates, llm, server)
 
@@ -128,7 +130,7 @@ def test_a_failed_bucket_compile_keeps_the_server_serving(monkeypatch):
     gates, lines, llm, server, client = start(monkeypatch, fail=(32,))
     try:
         gates.open_all()
-        wait_until(lambda: llm.compile_status()["buckets_compiling"] == 0, GATE_TIMEOUT_S, "the compile to end")
+        assert llm._compiler.done.wait(GATE_TIMEOUT_S), "the compile ends"
         assert any(line.startswith("bucket 32 failed to compile") and "simulated compile failure" in line
                    for line in lines), lines
         assert any(note.startswith("bucket 32 failed to compile") for note in llm.notes)
@@ -142,12 +144,17 @@ def test_a_failed_bucket_compile_keeps_the_server_serving(monkeypatch):
         stop(gates, llm, server)
 
 
-def test_shutdown_while_a_bucket_compiles(monkeypatch):
+def test_shutdown_while_a_bucket_compiles_waits_for_that_graph_and_starts_no_other(monkeypatch):
     gates, lines, llm, server, client = start(monkeypatch)
     wait_until(lambda: gates.started, GATE_TIMEOUT_S, "the first compile to start")
     server.stop()
-    with pytest.warns(UserWarning, match="still in a graph's compile"):
-        llm.close(drain_timeout_s=0)
-    gates.open_all()
-    assert llm._compiler.stop(timeout_s=TIMEOUT_S), "the compile thread ends after the graph it was in"
+    closer = threading.Thread(target=llm.close, kwargs={"drain_timeout_s": 0})
+    with pytest.warns(UserWarning, match="waiting for the background compile"):
+        closer.start()
+        wait_until(lambda: llm._compiler._stop.is_set() and not llm.loop._thread.is_alive(), TIMEOUT_S,
+                   "close to stop the engine")
+        assert closer.is_alive(), "close waits for the graph in hand (a process exiting mid-compile aborts)"
+        gates.open_all()
+        closer.join(TIMEOUT_S)
+    assert not closer.is_alive() and llm._compiler.done.is_set()
     assert gates.started == [(32, 1)], "no graph is started after close"

@@ -6,17 +6,23 @@ engine serves every prompt on the eager KV path, and each switches over the mome
     compiler.compiling          # buckets not compiled yet (for /metrics)
     compiler.stop(timeout_s=30) # at shutdown: no new graph is started, the current one is waited for
 
-Order. The padding plan first (one trace: the buckets cannot be used without it), then the buckets from the
-shortest up, each bucket's batch-1 graph first: a bucket is used from the moment that graph is compiled and run
-once, its batched graphs as they follow (`PrefillEngine.use_bucket_graphs`). Then the KV path, warmed on an engine
+Order. The padding plan first (one trace: the buckets cannot be used without it), then each bucket's batch-1
+graph from the shortest bucket up (a bucket is used from the moment that graph is compiled and run once:
+`PrefillEngine.use_bucket_graphs`), then the batched graphs, which only matter once several cold prompts of one
+bucket arrive together. Then the KV path, warmed on an engine
 of its own, which the serving engine swaps in for the eager model. One progress line per bucket and one for the
 KV path go to `on_progress` (and to this module's logger).
 
 Sharing the model with the engine thread. Tracing reads the model's attention implementation, which the engine's
 batched decode switches for the length of one forward; both hold `engine.attention_lock` for that, and the engine
 decodes its rows one by one rather than wait while a trace holds it. The engine never calls a graph before it is
-published, so it never compiles one itself. The thread runs at a lower scheduling priority (a higher nice value)
-than the engine, so on a small CPU the compile takes what serving leaves.
+published, so it never compiles one itself.
+
+Sharing the CPU. Tracing is Python and holds the GIL, which the engine thread takes back after every kernel: the
+switch interval is shortened while the thread runs, so that the engine waits less for it. The thread keeps the
+engine's OS priority: a lower one (a higher nice value) would leave the GIL with a thread the OS runs last, and the
+engine waiting on it (a priority inversion); a compile that does not share the GIL with serving (a process of its
+own, loading into the compile cache) is what could run at a lower priority.
 
 Failures. A bucket whose compile fails is reported and skipped (the KV path serves its prompts); a failure of
 the plan or of the KV path's compile leaves that path as it was. Nothing here stops the engine from serving.
@@ -25,7 +31,7 @@ the plan or of the KV path's compile leaves that path as it was. Nothing here st
 from __future__ import annotations
 
 import logging
-import os
+import sys
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -39,7 +45,7 @@ from ttftc.runtime.sampling import GREEDY
 
 log = logging.getLogger(__name__)
 
-COMPILE_NICE = 10  # how much lower than the engine the compile thread is scheduled
+SWITCH_INTERVAL_S = 0.0005  # how long the compile thread may hold the GIL against a thread waiting for it
 
 Progress = Callable[[str], None]
 
@@ -101,13 +107,14 @@ class BackgroundCompile:
         self.buckets_compiled = 0
         self.buckets_failed = 0
         self.kv_path = "pending" if kv_model is not None else "eager"  # then "compiled" or "failed"
+        self._ready: dict[int, tuple[int, ...]] = {}
         self.done = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._thread_main, name="ttftc-compile", daemon=True)
 
     @property
     def compiling(self) -> int:
-        """Buckets not compiled yet and still to be tried (0 once the thread ended, or stopped)."""
+        """Buckets not usable yet (their batch-1 graph) and still to be tried (0 once the thread ended, or stopped)."""
         if self.done.is_set():
             return 0
         return max(0, self.buckets_total - self.buckets_compiled - self.buckets_failed)
@@ -126,8 +133,12 @@ class BackgroundCompile:
     # ---- the compile thread ------------------------------------------------------------------------------------------
 
     def _thread_main(self) -> None:
-        _lower_priority()
-        self.run()
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(min(previous, SWITCH_INTERVAL_S))
+        try:
+            self.run()
+        finally:
+            sys.setswitchinterval(previous)
 
     def run(self) -> None:
         """Everything, in order, on the calling thread (`start` runs it on a thread of its own)."""
@@ -156,26 +167,46 @@ class BackgroundCompile:
             return
         buckets = tuple(plan.buckets)
         self.buckets_total = len(buckets)
-        ready: dict[int, tuple[int, ...]] = {}
+        self._ready = {}
+        # Every bucket's batch-1 graph first, which makes the bucket usable; the batched graphs (a shared forward of
+        # several cold prompts of one bucket) only once every bucket serves.
+        usable = []
         for bucket in buckets:
             started = time.perf_counter()
-            sizes = sorted(self.engine.planned_batch_sizes(bucket))  # 1 first: it makes the bucket usable
-            try:
-                for batch in sizes:
-                    if self._stop.is_set():
-                        return
-                    with self.engine.attention_lock:
-                        compile_graph(prefill, bucket, batch)
-                    ready = {**ready, bucket: ready.get(bucket, ()) + (batch,)}
-                    self.engine.use_bucket_graphs(prefill, ready)
-            except Exception as exc:
+            if not self._compile(bucket, 1):
+                if self._stop.is_set():
+                    return
                 self.buckets_failed += 1
-                self._fail(f"bucket {bucket} failed to compile, its prompts run on the KV path: "
-                           f"{type(exc).__name__}: {exc}")
                 continue
+            usable.append(bucket)
             self.buckets_compiled += 1
             self._progress(f"bucket {bucket} compiled in {time.perf_counter() - started:.1f} s "
                            f"({self.buckets_compiled}/{self.buckets_total})")
+        for bucket in usable:
+            started = time.perf_counter()
+            batched = sorted(self.engine.planned_batch_sizes(bucket))[1:]
+            done = [batch for batch in batched if self._compile(bucket, batch)]
+            if self._stop.is_set():
+                return
+            if done:
+                self._progress(f"bucket {bucket} batch sizes {', '.join(map(str, done))} compiled in "
+                               f"{time.perf_counter() - started:.1f} s")
+
+    def _compile(self, bucket: int, batch: int) -> bool:
+        """Compile one graph and hand it to the engine; False (and a note) if it failed, or if stopped."""
+        if self._stop.is_set():
+            return False
+        try:
+            with self.engine.attention_lock:
+                compile_graph(self.prefill, bucket, batch)
+        except Exception as exc:
+            what = f"bucket {bucket}" if batch == 1 else f"bucket {bucket} batch {batch}"
+            self._fail(f"{what} failed to compile, its prompts run on the KV path"
+                       f"{'' if batch == 1 else ' or at a smaller batch'}: {type(exc).__name__}: {exc}")
+            return False
+        self._ready = {**self._ready, bucket: self._ready.get(bucket, ()) + (batch,)}
+        self.engine.use_bucket_graphs(self.prefill, self._ready)
+        return True
 
     def _compile_kv_path(self) -> None:
         started = time.perf_counter()
@@ -204,10 +235,3 @@ class BackgroundCompile:
         self.notes.append(note)
         self._progress(note, logging.WARNING)
 
-
-def _lower_priority() -> None:
-    """Raise the calling thread's nice value (Linux schedules threads one by one); elsewhere, leave it."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-    except (AttributeError, OSError):
-        pass
