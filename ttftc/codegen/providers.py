@@ -51,9 +51,3 @@ PROVIDER_MODULES = tuple(module.__name__ for module in _MODULES)
 def all_lowerings() -> list[Lowering]:
     """Every lowering of every op, all providers registered."""
     return registered_lowerings()
-
-
-def load_providers() -> None:
-    """Nothing is left to do once this module is imported: its imports registered every provider. Kept for the
-    callers outside the core (the autotune driver, the kernel catalog, their tests) until they import this module
-    for that instead."""
