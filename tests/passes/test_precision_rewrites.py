@@ -1584,15 +1584,6 @@ def test_pt2e_non_patterns():
     assert _match(gm) is None  # a dequantized weight under another op than t()
 
 
-def test_pt2e_without_the_decomposed_ops(monkeypatch):
-    import sys
-    monkeypatch.setitem(sys.modules, "torch.ao.quantization.fx._decomposed", None)  # the import fails
-    assert _quant_patterns._decomposed_ops() is None
-    assert _match(pt2e_gm()) is None
-    monkeypatch.undo()
-    assert _quant_patterns._decomposed_ops() is torch.ops.quantized_decomposed
-
-
 def test_is_zero():
     gm = build(lambda x: x * 1, [torch.zeros(1)])
     x = next(nd for nd in gm.graph.nodes if nd.op == "placeholder")

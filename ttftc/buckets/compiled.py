@@ -19,7 +19,7 @@ from ttftc.buckets.model_info import max_positions_of, vocab_size_of
 from ttftc.buckets.plan import BucketPlan
 from ttftc.buckets.table import DEFAULT_BUCKETS, effective_buckets
 from ttftc.config import Config
-from ttftc.dynamo_backend import TtftcBackend
+from ttftc import dynamo_backend
 from ttftc.report import Report
 
 
@@ -36,7 +36,8 @@ def named_outputs(flat) -> dict[str, torch.Tensor]:
 
 def dynamic_runner(model: torch.nn.Module, config: Config, logits: str, kv: bool) -> Callable[[dict], dict]:
     """The model compiled by ttftc with dynamic shapes (through Dynamo): the path for prompts with no bucket."""
-    compiled = torch.compile(PrefillAdapter(model, logits=logits, kv=kv), backend=TtftcBackend(config), dynamic=True)
+    compiled = torch.compile(PrefillAdapter(model, logits=logits, kv=kv), backend=dynamo_backend.TtftcBackend(config),
+                             dynamic=True)
 
     def run(tensors: dict) -> dict:
         return named_outputs(compiled(**tensors))
