@@ -1,9 +1,8 @@
 """What the machine can do fast, probed once per process: native bf16, int8 dot products (VNNI), AMX.
 
 The precision policy (`precision="auto"`) and the CPU lowerings decide from this, never from where ttftc was
-developed: on a CPU without bf16 instructions oneDNN still runs bf16 GEMMs, emulated, at a fraction of fp32 speed
-(measured: 63 GFLOP/s bf16 against 333 fp32 on an Intel Xeon without avx512_bf16 or AMX), while on one with them
-bf16 runs about 2x fp32.
+developed: on a CPU without bf16 instructions oneDNN still runs bf16 GEMMs, emulated, at a fraction of fp32 speed,
+while on one with them bf16 runs faster than fp32 (benchmarks/README.md, bf16, has the figures and their CPUs).
 
 Native bf16 is decided by measurement: a small GEMM is timed in both dtypes, and bf16 counts as native only when it
 is faster by NATIVE_SPEEDUP. The flags only skip the timing where they settle the answer negatively (no bf16
@@ -29,10 +28,11 @@ from ttftc.codegen.cpu import attention as cpu_attention
 # Overrides the probe's answer ("0" or "1"): for a machine the probe gets wrong, and for tests that must not
 # depend on the CPU they run on.
 NATIVE_BF16_ENV = "TTFTC_NATIVE_BF16"
-# A bf16 GEMM must beat fp32 by this much in the timing probe to count as native (emulation is 3-5x slower).
+# A bf16 GEMM must beat fp32 by this much in the timing probe to count as native (emulated bf16 is several times
+# slower than fp32: benchmarks/README.md, bf16).
 NATIVE_SPEEDUP = 1.2
 # Attention runs in bf16 only when its kernel beats fp32 by this much: the casts around it cost a pass over q, k, v
-# and the output (ATen's CPU flash kernel measured 0.95-1.06x fp32 in bf16 on an AMD EPYC with avx512_bf16).
+# and the output, and a kernel with fp32 inner products gains little from bf16 (benchmarks/README.md, bf16).
 ATTENTION_SPEEDUP = 1.1
 _PROBE_SIZE = 512
 

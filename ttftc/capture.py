@@ -112,8 +112,8 @@ def retrace_with_symbolic_lengths(example_inputs: Sequence) -> None:
     every dimension above 1 of a non-weight tensor input (the prompt length, a KV cache's past length), the batch
     dimension excepted, is marked `maybe_mark_dynamic`, so a weight-pinned size (the hidden size) or a size the model branches on specialises
     back to a constant during the retrace, and the frame restarts. A model compiled this way never compiles again
-    for a new prompt length, where the static first graph would be thrown away at the next length (6.3 s at 513
-    tokens after 512 on llama-135m).
+    for a new prompt length, where the static first graph would be thrown away at the next length and compiled again
+    (benchmarks/README.md, start-up).
 
     The restart uses two Dynamo internals, checked for and skipped (compiling the static graph) when missing: the
     one restart exception that Dynamo lets a backend raise (its float-tensorify pass uses it the same way), and

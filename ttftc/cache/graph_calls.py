@@ -50,7 +50,8 @@ class GraphFormatError(ValueError):
     """A graph cannot be saved (an unsupported target or argument) or a saved graph cannot be read."""
 
 
-# Records are NamedTuples: a frozen dataclass costs ~0.8 ms to define, and loading an artifact imports this module.
+# Records are NamedTuples: a frozen dataclass is slow to define (benchmarks/README.md, start-up), and loading an
+# artifact imports this module.
 class Ref:
     """A reference to an earlier node, by its name in the file (not a tuple: arguments hold real tuples)."""
 

@@ -28,7 +28,7 @@ from ttftc.tuning.timing import WallTimer
 _ACCEPT = {torch.float32: (1e-3, 1e-3), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
 # A candidate replaces the default only when its median is at least this much faster. Smaller measured gains are
 # within the noise of a shared machine, and winners by noise alone were seen to run slower inside the whole model
-# (llama-135m bf16, one `ttftc bench` run: configs picked for 0.3-2% kernel gains gave a 512-token p50 6% slower).
+# (benchmarks/README.md, autotune).
 MIN_GAIN = 0.03
 
 
