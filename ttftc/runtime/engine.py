@@ -200,7 +200,8 @@ class PrefillEngine:
         1 among them) in `prefill_model`; other buckets stay on the KV path. Any thread; the engine thread sees the
         change at its next dispatch."""
         if not prefill_model.plan.safe:
-            raise ValueError(f"the bucketed prefill model cannot pad this model's prompts ({prefill_model.plan.reason})")
+            raise ValueError(
+                f"the bucketed prefill model cannot pad this model's prompts ({prefill_model.plan.reason})")
         if any(1 not in sizes for sizes in ready.values()):
             raise ValueError("every ready bucket needs its batch-1 graph")
         self.ready_batches = {int(b): tuple(sorted({int(s) for s in sizes}, reverse=True)) for b, sizes in
