@@ -17,7 +17,7 @@ import pytest
 
 import ttftc
 from ttftc.runtime import background
-from ttftc.serve import BackgroundServer, create_app
+from ttftc.serve import BackgroundServer, WarmPrompt, create_app
 from tests.serve.helpers import metric, wait_until
 
 TIMEOUT_S = 60
@@ -158,3 +158,22 @@ def test_shutdown_while_a_bucket_compiles_waits_for_that_graph_and_starts_no_oth
         closer.join(TIMEOUT_S)
     assert not closer.is_alive() and llm._compiler.done.is_set()
     assert gates.started == [(32, 1)], "no graph is started after close"
+
+
+def test_warm_prompts_are_prefilled_on_the_kv_path_while_the_buckets_compile(monkeypatch):
+    gates = Gates(monkeypatch, (32, 64))
+    llm = ttftc.LLM("tiny", precision="fp32", buckets=(32, 64), prefill_batch_sizes=(1,), chunked_prefill=None,
+                    compile_kv_path=False, background_compile=True)
+    warm = prompt(40, seed=5)
+    try:
+        app = create_app(llm, tenant_header="X-Tenant", warm=[WarmPrompt(tuple(warm), tenant="acme")])
+        assert app.state.served.warmed.tokens > 0 and llm.compile_status()["buckets_compiling"] == 2
+        with BackgroundServer(app) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=TIMEOUT_S,
+                                   default_headers={"X-Tenant": "acme"})
+            response = client.completions.create(model="tiny", prompt=warm + prompt(5, seed=6), max_tokens=2,
+                                                 temperature=0)
+            assert response.usage.prompt_tokens_details.cached_tokens > 0, "the warm prompt hit on the first request"
+    finally:
+        gates.open_all()
+        llm.close(drain_timeout_s=TIMEOUT_S)
