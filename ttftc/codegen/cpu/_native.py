@@ -222,7 +222,8 @@ def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int
 # -- the W8A8 glue (csrc/rows_kernel.h) ----------------------------------------------------------------------
 
 ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the row kernels read and write besides int8/int32
-ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "relu": 2}
+# The activations gated_act and gated_quant take, by name (the operators map them to their kernels' codes).
+ACTIVATION_CODES = ("silu", "gelu_tanh", "relu")
 
 
 def _rows_ready(*tensors) -> bool:

@@ -399,7 +399,7 @@ template <class Args>
 using Kernel = bool (*)(const Args&, int);
 
 // Every check below raises a c10 exception, which the dispatcher hands to Python as ValueError (TORCH_CHECK_VALUE)
-// or torch.OutOfMemoryError; the legacy entry points (further down) translate them themselves.
+// or torch.OutOfMemoryError.
 void check_threads(const char* name, int64_t threads) {
   TORCH_CHECK_VALUE(threads >= 1 && threads <= INT_MAX, name, ": threads must be in [1, ", INT_MAX, "], got ", threads);
 }
@@ -486,11 +486,10 @@ bool int8_vnni() { return kHasVnni && (kIsa == Isa::avx512 || kIsa == Isa::avx51
 
 // out = x [M, K] s8 . packed weight [N, K] s8, as int32 (out_kind 0) or dequantised (acc * w_scale * x_scale + bias)
 // as fp32 (1) or bf16 (2). See int8_gemm_kernel.h. Fills in a.panel.
-void run_int8_gemm(Int8GemmArgs a, int64_t out_kind, int64_t threads) {
+void run_int8_gemm(Int8GemmArgs a, int64_t threads) {
   non_negative("int8_gemm", {a.x_rs, a.out_rs, a.m, a.n, a.k});
-  TORCH_CHECK_VALUE(out_kind >= 0 && out_kind <= 2 && a.block_m >= 1 && a.block_nv >= 1, "int8_gemm: out_kind ",
-                    out_kind, " must be 0, 1 or 2 and blocks (", a.block_m, ", ", a.block_nv, ") positive");
-  a.out_kind = int(out_kind);
+  TORCH_CHECK_VALUE(a.out_kind >= 0 && a.out_kind <= 2 && a.block_m >= 1 && a.block_nv >= 1, "int8_gemm: out_kind ",
+                    a.out_kind, " must be 0, 1 or 2 and blocks (", a.block_m, ", ", a.block_nv, ") positive");
   // The kernel's own offsets: a panel's bytes, every panel, the last row of x and out, and the count of work items
   // (row blocks x column blocks), all within int64.
   const int64_t groups = a.k / 4 + (a.k % 4 != 0), vecs = a.n / 8 + (a.n % 8 != 0);
@@ -753,147 +752,10 @@ void int8_gemm_op(const at::Tensor& x, const at::Tensor& packed, const std::opti
                        address<const float>(x_scale), address<const float>(w_scale), address<const float>(bias), m, n,
                        k, int(out_kind), block_rows, block_vecs};
   check_threads(op, threads);
-  if (m && n) run_int8_gemm(a, out_kind, threads);
+  if (m && n) run_int8_gemm(a, threads);
 }
 
-// --- legacy raw-pointer entry points ----------------------------------------------------------------------------
-// Positional int tuples of addresses and counts, as before the operators. Nothing in ttftc calls them any more;
-// they stay only while tests that feed the C++ side counts no tensor can hold (tests/security/
-// test_native_boundary.py, tests/codegen/test_attention_native_cpu.py, tests/codegen/test_native_int8_gemm.py)
-// move to the operators, and go with them.
-
-// Reads `count` Python ints from a tuple; false with a Python error set when that fails.
-bool parse_ints(PyObject* args, const char* name, Py_ssize_t count, int64_t* out, double* real) {
-  PyObject* ints;
-  int ok = real ? PyArg_ParseTuple(args, "O!d", &PyTuple_Type, &ints, real) : PyArg_ParseTuple(args, "O!", &PyTuple_Type, &ints);
-  if (!ok) return false;
-  if (PyTuple_GET_SIZE(ints) != count) {
-    PyErr_Format(PyExc_ValueError, "%s expects %zd integers, got %zd", name, count, PyTuple_GET_SIZE(ints));
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(ints, i));
-    if (out[i] == -1 && PyErr_Occurred()) return false;
-  }
-  return true;
-}
-
-// Runs `body` without the GIL, and turns its c10 exceptions into Python's ValueError and MemoryError.
-template <class Body>
-PyObject* raw_call(const Body& body) {
-  PyThreadState* saved = PyEval_SaveThread();
-  PyObject* type = nullptr;
-  std::string message;
-  try {
-    body();
-  } catch (const c10::ValueError& e) {
-    type = PyExc_ValueError, message = e.what_without_backtrace();
-  } catch (const c10::OutOfMemoryError& e) {
-    type = PyExc_MemoryError, message = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    type = PyExc_RuntimeError, message = e.what();
-  }
-  PyEval_RestoreThread(saved);
-  if (type == nullptr) Py_RETURN_NONE;
-  PyErr_SetString(type, message.c_str());
-  return nullptr;
-}
-
-template <class T>
-T* ptr(int64_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-// attention(ints, scale): ints = (q, k, v, o, kv_len or 0 as addresses; batch, hq, hkv, sq, skv, d, dv;
-// q strides b/h/s, k strides, v strides, o strides; causal, q_offset, window, block_k, threads, bf16, pack_kv).
-PyObject* attention(PyObject*, PyObject* args) {
-  int64_t x[31];
-  double scale;
-  if (!parse_ints(args, "attention", 31, x, &scale)) return nullptr;
-  AttentionArgs a;
-  a.q = ptr<const void>(x[0]);
-  a.k = ptr<const void>(x[1]);
-  a.v = ptr<const void>(x[2]);
-  a.o = ptr<void>(x[3]);
-  a.kv_len = ptr<const int64_t>(x[4]);
-  a.batch = x[5]; a.hq = x[6]; a.hkv = x[7]; a.sq = x[8]; a.skv = x[9]; a.d = x[10]; a.dv = x[11];
-  a.q_sb = x[12]; a.q_sh = x[13]; a.q_ss = x[14];
-  a.k_sb = x[15]; a.k_sh = x[16]; a.k_ss = x[17];
-  a.v_sb = x[18]; a.v_sh = x[19]; a.v_ss = x[20];
-  a.o_sb = x[21]; a.o_sh = x[22]; a.o_ss = x[23];
-  a.causal = x[24] != 0; a.q_offset = x[25]; a.window = x[26]; a.block_k = x[27];
-  a.scale = float(scale);
-  a.pack_kv = x[30] != 0;
-  return raw_call([&] { run_attention(a, x[29] != 0, x[28], false); });
-}
-
-// quantize_rows(ints) = (x, x_bf16, x_row_stride, q, scale, m, k, threads)
-PyObject* quantize_rows(PyObject*, PyObject* args) {
-  int64_t x[8];
-  if (!parse_ints(args, "quantize_rows", 8, x, nullptr)) return nullptr;
-  QuantArgs a{ptr<const void>(x[0]), x[2], ptr<int8_t>(x[3]), ptr<float>(x[4]), x[5], x[6], x[1] != 0};
-  return raw_call([&] { run_quantize_rows(a, x[7]); });
-}
-
-// norm(ints, eps): ints = (x, residual, residual_out, weight, bias, q, scale, out, m, k, x_bf16, w_bf16, layer,
-// round_product, threads); absent pointers are 0; q and scale, or out (in the promoted dtype of x and weight).
-PyObject* norm(PyObject*, PyObject* args) {
-  int64_t x[15];
-  double eps;
-  if (!parse_ints(args, "norm", 15, x, &eps)) return nullptr;
-  NormArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<void>(x[2]), ptr<const void>(x[3]),
-             ptr<const void>(x[4]), ptr<int8_t>(x[5]), ptr<float>(x[6]), ptr<void>(x[7]), x[8], x[9],
-             x[10] != 0, x[11] != 0, x[12] != 0, x[13] != 0, float(eps)};
-  return raw_call([&] { run_norm(a, x[14]); });
-}
-
-// gated_act(ints) = (x, x_row_stride, out, m, inter, act, bf16, threads)
-PyObject* gated_act(PyObject*, PyObject* args) {
-  int64_t x[8];
-  if (!parse_ints(args, "gated_act", 8, x, nullptr)) return nullptr;
-  GatedActArgs a{ptr<const void>(x[0]), x[1], ptr<void>(x[2]), x[3], x[4], int(x[5]), x[6] != 0};
-  return raw_call([&] { run_gated_act(a, x[7]); });
-}
-
-// rope(ints) = (x, cos, sin, out, batch, heads, seq, head_dim, x strides b/h/s, cos strides, sin strides, out
-// strides, bf16, threads)
-PyObject* rope(PyObject*, PyObject* args) {
-  int64_t x[22];
-  if (!parse_ints(args, "rope", 22, x, nullptr)) return nullptr;
-  RopeArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<const void>(x[2]), ptr<void>(x[3]), x[4], x[5], x[6],
-             x[7], {x[8], x[9], x[10]}, {x[11], x[12], x[13]}, {x[14], x[15], x[16]}, {x[17], x[18], x[19]},
-             x[20] != 0};
-  return raw_call([&] { run_rope(a, x[21]); });
-}
-
-// dequant(ints) = (acc, acc_row_stride, x_scale, w_scale, bias or 0, out, out_row_stride, m, n, out_bf16, threads)
-PyObject* dequant(PyObject*, PyObject* args) {
-  int64_t x[11];
-  if (!parse_ints(args, "dequant", 11, x, nullptr)) return nullptr;
-  DequantArgs a{ptr<const int32_t>(x[0]), x[1], ptr<const float>(x[2]), ptr<const float>(x[3]),
-                ptr<const float>(x[4]), ptr<void>(x[5]), x[6], x[7], x[8], x[9] != 0};
-  return raw_call([&] { run_dequant(a, x[10]); });
-}
-
-// gated_quant(ints) = (acc, x_scale, w_scale, bias or 0, q, scale, m, inter, act, threads)
-PyObject* gated_quant(PyObject*, PyObject* args) {
-  int64_t x[10];
-  if (!parse_ints(args, "gated_quant", 10, x, nullptr)) return nullptr;
-  GatedQuantArgs a{ptr<const int32_t>(x[0]), ptr<const float>(x[1]), ptr<const float>(x[2]), ptr<const float>(x[3]),
-                   ptr<int8_t>(x[4]), ptr<float>(x[5]), x[6], x[7], int(x[8])};
-  return raw_call([&] { run_gated_quant(a, x[9]); });
-}
-
-// int8_gemm(ints) = (x, x_row_stride, packed, out, out_row_stride, x_scale, w_scale, bias or 0, m, n, k, out_kind,
-// block_m, block_nv, threads)
-PyObject* int8_gemm(PyObject*, PyObject* args) {
-  int64_t x[15];
-  if (!parse_ints(args, "int8_gemm", 15, x, nullptr)) return nullptr;
-  Int8GemmArgs a{ptr<const int8_t>(x[0]), x[1], ptr<const int8_t>(x[2]), 0, ptr<void>(x[3]), x[4],
-                 ptr<const float>(x[5]), ptr<const float>(x[6]), ptr<const float>(x[7]), x[8], x[9], x[10], 0, x[12],
-                 x[13]};
-  return raw_call([&] { run_int8_gemm(a, x[11], x[14]); });
-}
+// --- the module: process-wide switches, not kernels ---------------------------------------------------------
 
 // The version int8_gemm runs in this process: "avx512_vnni", "avx2" (the AVX2 kernel, also under the AVX-512 ISAs
 // of a CPU without VNNI) or "base".
@@ -938,15 +800,7 @@ PyObject* set_isa(PyObject*, PyObject* args) {
 PyObject* source_digest(PyObject*, PyObject*) { return PyUnicode_FromString(TTFTC_SOURCE_DIGEST); }
 
 PyMethodDef kMethods[] = {
-    // The legacy raw-pointer entry points (see above); the kernels are torch.ops.ttftc_native.*.
-    {"attention", attention, METH_VARARGS, "Exact attention forward, fp32 or bf16 (attention_kernel.h)."},
-    {"quantize_rows", quantize_rows, METH_VARARGS, "Symmetric int8 per row (see rows_kernel.h)."},
-    {"norm", norm, METH_VARARGS, "Residual add, RMSNorm/LayerNorm, then int8 per row or the rows (rows_kernel.h)."},
-    {"gated_act", gated_act, METH_VARARGS, "act(gate) * up of a gate|up matrix, contiguous (see rows_kernel.h)."},
-    {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form (see rope_kernel.h)."},
-    {"dequant", dequant, METH_VARARGS, "int32 accumulator to float with per-row and per-column scales."},
-    {"gated_quant", gated_quant, METH_VARARGS, "Dequant, act(gate) * up, int8 per row (see rows_kernel.h)."},
-    {"int8_gemm", int8_gemm, METH_VARARGS, "Exact s8 x s8 GEMM on a packed weight, int32 or dequantised."},
+    // The kernels themselves are torch.ops.ttftc_native.* (TORCH_LIBRARY below).
     {"int8_gemm_isa", int8_gemm_isa, METH_NOARGS, "The version of int8_gemm this process runs."},
     {"isa", isa, METH_NOARGS, "The instruction set the kernels run with on this CPU."},
     {"use_openmp", use_openmp, METH_VARARGS, "Run parallel kernels on this already-loaded OpenMP runtime."},
