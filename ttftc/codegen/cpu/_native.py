@@ -423,7 +423,8 @@ def pack_int8_weight(w: torch.Tensor) -> torch.Tensor:
     vecs, groups = -(-n // INT8_COLUMNS), -(-k // INT8_DEPTH)
     padded = torch.zeros(vecs * INT8_COLUMNS, groups * INT8_DEPTH, dtype=torch.int8)
     padded[:n, :k] = w
-    # Each group of 4 k moves as one int32: ATen's int8 permute copies a byte at a time, 10x slower at 1024x1024.
+    # Each group of 4 k moves as one int32: ATen's int8 permute copies a byte at a time, far slower
+    # (benchmarks/README.md, int8).
     groups_as_words = padded.view(torch.int32).view(vecs, INT8_COLUMNS, groups)
     return groups_as_words.transpose(1, 2).contiguous().view(torch.int8).view(vecs, groups, INT8_COLUMNS, INT8_DEPTH)
 

@@ -217,8 +217,8 @@ struct Scratch {
 
 // The OpenMP runtime torch already loaded, reached through its GOMP_parallel entry point (libgomp's, which Intel's
 // runtime also exports). Why not threads of our own: torch's OpenMP workers spin for a while after each parallel
-// op, so freshly started threads would share their cores with spinning ones (measured: no gain at all from a
-// kernel 1.3-1.9x faster in isolation). On torch's own team the cores are handed over, as between two ATen ops.
+// op, so freshly started threads would share their cores with spinning ones and lose what a faster kernel gains
+// (benchmarks/README.md, threads). On torch's own team the cores are handed over, as between two ATen ops.
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
 GompParallel gomp_parallel = nullptr;
 
