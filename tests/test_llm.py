@@ -163,9 +163,9 @@ def test_background_compile_serves_eagerly_then_swaps_the_compiled_kv_path_in(mo
     gate = threading.Event()
     warm = background.warm_kv_path
 
-    def held(engine):
+    def held(engine, stop):
         assert gate.wait(TIMEOUT_S * 2), "the test never let the KV path compile"
-        warm(engine)
+        return warm(engine, stop)
 
     monkeypatch.setattr(background, "warm_kv_path", held)
     lines: list[str] = []
@@ -191,7 +191,7 @@ def test_background_compile_serves_eagerly_then_swaps_the_compiled_kv_path_in(mo
 
 
 def test_a_failed_background_kv_compile_keeps_the_eager_model(monkeypatch):
-    def broken(engine):
+    def broken(engine, stop):
         raise RuntimeError("simulated Dynamo failure")
 
     monkeypatch.setattr(background, "warm_kv_path", broken)
@@ -216,3 +216,26 @@ def test_the_python_api_compiles_before_it_returns_by_default():
         assert llm.compile_status()["buckets_compiled"] == 1 and llm.compile_status()["buckets_compiling"] == 0
     finally:
         llm.close(5)
+
+
+def test_close_during_the_background_kv_compile_stops_it_at_its_next_forward(monkeypatch):
+    gate, entered, forwards = threading.Event(), threading.Event(), []
+    warm = background.warm_kv_path
+
+    def held(engine, stop):
+        entered.set()
+        assert gate.wait(TIMEOUT_S * 2), "the test never let the KV path compile"
+        return warm(engine, lambda: forwards.append(stop()) or stop())
+
+    monkeypatch.setattr(background, "warm_kv_path", held)
+    llm = ttftc.LLM("tiny", buckets=None, precision="fp32", background_compile=True)
+    assert entered.wait(TIMEOUT_S), "the KV path's compile started"
+    closer = threading.Thread(target=llm.close, kwargs={"drain_timeout_s": 0})
+    with pytest.warns(UserWarning, match="waiting for the background compile") as record:
+        closer.start()
+        wait_until(lambda: len(record), TIMEOUT_S, "close to wait for the compile")
+        gate.set()
+        closer.join(TIMEOUT_S)
+    assert not closer.is_alive() and llm._compiler.done.is_set()
+    assert forwards == [True], "no KV-path forward (no compile) ran after close"
+    assert llm.engine.model is llm.model and llm.compile_status()["kv_path"] == "pending"

@@ -41,7 +41,7 @@ from ttftc.api import compile as ttftc_compile
 from ttftc.config import Config
 from ttftc.dynamo_backend import TtftcBackend
 from ttftc.models import load_model, resolve_model
-from ttftc.runtime.background import BackgroundCompile, compile_graph, warm_batched_decode, warm_kv_path
+from ttftc.runtime import background
 from ttftc.runtime.engine import PrefillEngine
 from ttftc.runtime.engine_loop import EndEvent, EngineLoop
 from ttftc.runtime.kv import ModelGeometry
@@ -315,9 +315,9 @@ class LLM:
         self.codec = PromptCodec(tokenizer if tokenizer is not None else source.tokenizer)
         self.notes: list[str] = []
         self.on_progress = on_progress
-        self._compiler: Optional[BackgroundCompile] = None
-        background = bool(background_compile)
-        compile_buckets = background and source.artifact is None  # an artifact's graphs load in no time
+        self._compiler: Optional[background.BackgroundCompile] = None
+        in_background = bool(background_compile)
+        compile_buckets = in_background and source.artifact is None  # an artifact's graphs load in no time
         prefill_model, batch_sizes = self._prefill_model(source, precision, buckets, prefill_batch_sizes,
                                                          check_plan=not compile_buckets)
         cache = self._prefix_cache(prompt_cache, prefix_cache_bytes, self._disk_tier(kv_disk, kv_disk_bytes, precision,
@@ -325,7 +325,7 @@ class LLM:
         kv_model = self._kv_model(precision) if compile_kv_path else self.model
         # In the background mode the engine starts on the eager model with no bucket, and is handed each graph as
         # it is compiled.
-        self.engine = PrefillEngine(self.model if background else kv_model, prefix_cache=cache,
+        self.engine = PrefillEngine(self.model if in_background else kv_model, prefix_cache=cache,
                                     chunk_size=chunked_prefill,
                                     prefill_model=None if compile_buckets else prefill_model,
                                     prefill_batch_sizes=batch_sizes, prefill_batch_tokens=prefill_batch_tokens,
@@ -338,8 +338,8 @@ class LLM:
         self.eos_token_id = self.codec.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = _config_eos(self.model)
-        if background:
-            self._compiler = BackgroundCompile(
+        if in_background:
+            self._compiler = background.BackgroundCompile(
                 self.engine, prefill=prefill_model if compile_buckets else None,
                 kv_model=kv_model if compile_kv_path else None,
                 expected_buckets=tuple(buckets or ()), on_progress=on_progress,
@@ -407,7 +407,7 @@ class LLM:
             for bucket in prefill.buckets if prefill is not None else ():
                 started = time.perf_counter()
                 for batch in engine.batch_sizes_for(bucket):
-                    compile_graph(prefill, bucket, batch)
+                    background.compile_graph(prefill, bucket, batch)
                 self._progress(f"bucket {bucket} compiled in {time.perf_counter() - started:.1f} s")
         except Exception as exc:  # serve on the KV path rather than not at all, and say so
             note = f"bucketed prefill disabled, every prompt runs on the KV path: {type(exc).__name__}: {exc}"
@@ -415,8 +415,8 @@ class LLM:
             warnings.warn(f"ttftc.LLM: {note}", stacklevel=3)
             engine.prefill_model = None
         started = time.perf_counter()
-        warm_kv_path(engine)
-        warm_batched_decode(engine)
+        background.warm_kv_path(engine)
+        background.warm_batched_decode(engine)
         done = "compiled" if engine.model is not self.model else "warmed up (eager)"
         self._progress(f"KV path {done} in {time.perf_counter() - started:.1f} s")
 

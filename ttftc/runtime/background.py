@@ -59,23 +59,32 @@ def compile_graph(prefill: BucketedModel, bucket: int, batch: int) -> None:
     prefill(ids, logits_to_keep=1, use_cache=True)
 
 
-def warm_kv_path(engine: PrefillEngine) -> None:
+def warm_kv_path(engine: PrefillEngine, stop: Callable[[], bool] = lambda: False) -> bool:
     """Run the KV path's shapes once on `engine`: a cold prefill, one continuing from KV (a cached prefix, a later
     chunk), decodes; also a one-token prompt and its decode, because a compiled model specialises sizes of 1 into
-    graphs of their own."""
+    graphs of their own. Each forward may be a compile of its own: `stop()` is asked before each, and True ends
+    the warm-up there (returning False)."""
     vocab = engine.geometry.vocab_size
     for first_stretch, length in ((13, 24), (None, 1)):
+        if stop():
+            return False
         # PRIVATE: warm-up prompts are not the application's, so they neither hit nor fill its cache.
         job = engine.start([t % vocab for t in range(3, 3 + length)], tenant=PRIVATE)
         if first_stretch is not None:
             job.advance(first_stretch)
-        first = job.advance()
+        first = job.advance() if not stop() else None
+        if first is None:
+            job.cancel()
+            return False
         try:
             token = first.token
             for _ in range(2):
+                if stop():
+                    return False
                 token, _ = engine.decode_step(first.kv, token)
         finally:
             first.kv.release()
+    return True
 
 
 def warm_batched_decode(engine: PrefillEngine) -> None:
@@ -214,11 +223,13 @@ class BackgroundCompile:
         try:
             warm = PrefillEngine(self.kv_model, batched_decode=False)  # no cache, no ragged decode: shares nothing
             with serving.attention_lock:
-                warm_kv_path(warm)
+                finished = warm_kv_path(warm, stop=self._stop.is_set)
         except Exception as exc:
             self.kv_path = "failed"
             self._fail(f"the KV path stays eager, its compile failed: {type(exc).__name__}: {exc}")
             return
+        if not finished:
+            return  # stopped: the engine is closing
         serving.model = self.kv_model  # the engine thread's next forward on the KV path runs it
         self.kv_path = "compiled"
         self._progress(f"KV path compiled in {time.perf_counter() - started:.1f} s")
