@@ -177,3 +177,27 @@ def test_warm_prompts_are_prefilled_on_the_kv_path_while_the_buckets_compile(mon
     finally:
         gates.open_all()
         llm.close(drain_timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("flags, background_compile", [([], True), (["--compile-before-ready"], False)])
+def test_serve_compiles_in_the_background_unless_told_to_compile_before_ready(monkeypatch, capsys, flags,
+                                                                                background_compile):
+    from types import SimpleNamespace
+
+    import ttftc.llm
+    import ttftc.serve
+    from ttftc.cli import main
+
+    calls = []
+
+    def fake_llm(*args, **kwargs):
+        calls.append(kwargs)
+        kwargs["on_progress"]("bucket 32 compiled in 1.0 s (1/7)")
+        return SimpleNamespace(name="tiny", notes=[])
+
+    monkeypatch.setattr(ttftc.llm, "LLM", fake_llm)
+    monkeypatch.setattr(ttftc.serve, "create_app", lambda llm, **kwargs: "app")
+    monkeypatch.setattr(ttftc.serve, "run_server", lambda app, **kwargs: 0)
+    assert main(["serve", "tiny", *flags]) == 0
+    assert [call["background_compile"] for call in calls] == [background_compile]
+    assert "ttftc serve: bucket 32 compiled in 1.0 s (1/7)" in capsys.readouterr().err

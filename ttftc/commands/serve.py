@@ -85,6 +85,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-prompt-cache", action="store_true", help="no prefix cache")
     p.add_argument("--eager-kv-path", action="store_true",
                    help="run decode and cached-prefix prefill eagerly instead of compiling them (starts faster)")
+    p.add_argument("--compile-before-ready", action="store_true",
+                   help="compile every bucket and the KV path before /health reports ready (default: serve once the "
+                   "model is loaded, on the eager KV path, while they compile in the background)")
     p.add_argument("--prefix-cache-mb", type=_positive, default=1024, help="prefix cache budget (default 1024)")
     p.add_argument("--kv-disk", metavar="DIR",
                    help="a disk tier for the prefix cache: blocks evicted from RAM, and all of them at shutdown, are "

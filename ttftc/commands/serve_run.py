@@ -42,8 +42,13 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    print(f"ttftc serve: loading {args.model} (compiling buckets on first start; the compile cache makes the next "
-          "start fast)", file=sys.stderr, flush=True)
+    if args.compile_before_ready:
+        print(f"ttftc serve: loading {args.model} and compiling its graphs before it reports ready (the compile "
+              "cache makes the next start fast)", file=sys.stderr, flush=True)
+    else:
+        print(f"ttftc serve: loading {args.model} (it serves once loaded; the buckets compile in the background, "
+              "each used as soon as it is ready, and the compile cache makes the next start's fast)",
+              file=sys.stderr, flush=True)
     try:
         llm = ttftc.llm.LLM(args.model, precision=args.precision,
                             buckets=None if args.buckets == NO_BUCKETS else args.buckets,
@@ -52,7 +57,9 @@ def run(args) -> int:
                             artifact=args.artifact, max_batch_tokens=args.max_batch_tokens,
                             batch_window_ms=args.batch_window_ms, max_running=args.max_running, name=args.name,
                             compile_kv_path=not args.eager_kv_path, batched_decode=not args.no_batched_decode,
-                            kv_disk=args.kv_disk, kv_disk_bytes=args.kv_disk_mb << 20)
+                            kv_disk=args.kv_disk, kv_disk_bytes=args.kv_disk_mb << 20,
+                            background_compile=not args.compile_before_ready,
+                            on_progress=lambda line: print(f"ttftc serve: {line}", file=sys.stderr, flush=True))
     except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from None
     for note in llm.notes:
