@@ -11,8 +11,8 @@ How a prompt runs. A cold prompt (nothing cached) that fits a bucket runs in the
 for that length (or the artifact's graph), batched with other cold prompts of the same bucket that the
 scheduler admitted in the same step. A prompt whose prefix is cached prefills only its new tokens, and a long
 prompt's chunks after the first run on the KV path, which also decodes: the model with its KV cache, compiled by
-ttftc with dynamic shapes (`compile_kv_path=True`; on a 2-core CPU, llama-135m decodes in 21 ms instead of 29 ms
-eager and extends 1536 cached tokens by 512 in 0.51 s instead of 0.75 s) or eager. (A bucketed graph cannot
+ttftc with dynamic shapes (`compile_kv_path=True`, faster than eager at decode and at extending a cached prefix:
+benchmarks/README.md, serving) or eager. (A bucketed graph cannot
 continue from earlier KV: its input is the whole prompt.)
 
 Tenants. With a prefix cache, `tenant` names the namespace whose cached prefixes a request may reuse; requests
@@ -58,7 +58,7 @@ SERVING_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 DEFAULT_KV_DISK_BYTES = 8 << 30
 # The scheduler's token budget per step, and the most tokens of one prompt a step prefills. Sized for the TTFT of
-# short requests beside long prompts, not for throughput (README, Serving, has the measurements): a step carries
+# short requests beside long prompts, not for throughput (measurements: benchmarks/README.md, serving): a step carries
 # the batched decode, the short prompts that arrived (up to ~3 of 128 tokens, in one bucketed forward) and at most
 # a 128-token chunk of a long prompt, so a short request waits for one such step, not for a long prefill.
 DEFAULT_STEP_TOKENS = 512

@@ -8,7 +8,7 @@ computed by a bucketed model together with other jobs (`PrefillEngine.prefill_to
 its rows of the batch's KV through `absorb`.
 
 How long a chunk is comes from the caller: a fixed size, or a `ChunkTable` of sizes per prompt length (what
-`ttftc autotune --chunk-sizes` measures; autotune/chunking.py builds the table, this layer only reads it).
+`ttftc autotune --chunk-sizes` measures; tuning/chunking.py builds the table, this layer only reads it).
 """
 
 from __future__ import annotations

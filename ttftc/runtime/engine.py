@@ -19,19 +19,19 @@ serves prefix-cache hits, chunks after the first, and decode steps.
 prompt's first chunk) in a graph compiled for its bucket, and several such prompts of one bucket in ONE padded
 forward (`prefill_together`), in batches of the sizes in `prefill_batch_sizes` (each size is its own graph, so
 the set is kept small; a group of 7 runs as 4 + 2 + 1) holding at most `prefill_batch_tokens` padded tokens. That
-cap is measured, not cautious: on a 2-core CPU four 64-token prompts in one forward take 0.73x the time of four
-forwards, but four 512-token prompts take 1.1x (the GEMMs are already efficient at 512 rows, and the batch's
-activations fall out of cache).
+cap is measured, not cautious: batching a few short prompts into one forward saves time, batching long ones costs
+time (the GEMMs are already efficient at 512 rows, and the batch's activations fall out of cache; figures in
+benchmarks/README.md, serving).
 
 `chunk_size` is an int, None (one forward per prompt), or a `ChunkTable` of sizes per prompt length; the table
-that `ttftc autotune MODEL --chunk-sizes ...` stored comes from `ttftc.autotune.chunking.tuned_chunk_table`.
+that `ttftc autotune MODEL --chunk-sizes ...` stored comes from `ttftc.tuning.chunking.tuned_chunk_table`.
 
 Batched decode. `decode_batch` decodes one token for each of several requests in ONE forward of the eager model
 (`batched_decode=True`, the default): the rows' KV stay in their own caches, of different lengths, and attention
 runs per row (kv.RaggedDecodeCache, kv.ragged_decode_attention) while every GEMM takes all rows at once, so a step
 reads the weights once instead of once per request. On CPU its GEMMs go to oneDNN, whose small-M GEMMs beat the
-BLAS that eager `F.linear` calls on this project's AMD CPU (llama-135m's 32000-wide LM head: 14 ms for 2-8 rows
-against 29-56 ms). A single row, or a model the ragged forward does not cover (it raises instead of computing
+BLAS that eager `F.linear` calls on the CPUs measured (llama-135m's LM head: benchmarks/README.md, serving). A
+single row, or a model the ragged forward does not cover (it raises instead of computing
 something else, and batched decode is then switched off for the engine), decodes with `decode_step` on `model`.
 The tokens are those of decoding each request alone (tests/runtime/test_engine_batched_decode.py), up to the
 last bits of float rounding that any change of GEMM shape brings.

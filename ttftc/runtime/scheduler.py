@@ -23,7 +23,7 @@ The budget is what bounds a step's time, and so the TTFT of a short request that
 being prefilled: it waits for the step under way, then runs in the next one beside the long prompt's chunk. A
 smaller budget makes steps shorter (short requests wait less, streams stall less) and a long prompt's own TTFT
 longer (more, smaller chunks, each with a forward's overhead and a re-read of the KV so far); ttftc.LLM's
-defaults are sized for short requests beside long prompts (README, Serving, has the measurements). Attention
+defaults are sized for short requests beside long prompts (measurements: benchmarks/README.md, serving). Attention
 makes a chunk late in a long prompt dearer than one early on, so the bound is on tokens, and a step's time grows
 with the KV its chunk attends to.
 

@@ -15,8 +15,8 @@ over its rows (n new tokens after ctx tokens already in the KV: each new token a
 average, to half of the new tokens). So a cached prefix makes a prompt cheaper by its tokens' own cost, not to
 nothing: its KV is still read by every new token. A decode step costs `step + row * rows`. What a step spends
 outside its forwards (publishing prompts' KV to the prefix cache, sampling, the scheduler itself, waiting for the
-GIL that the HTTP server's thread holds) is tracked apart, as a moving average per step: on a busy 2-core server it
-is a sizeable share of a step, and leaving it out made the estimates 10-20% short. Both are least-squares
+GIL that the HTTP server's thread holds) is tracked apart, as a moving average per step: on a busy server it can
+be a large share of a step; estimates without it ran short (benchmarks/README.md, serving). Both are least-squares
 fits over exponentially forgotten measurements (the machine's load changes, and the most recent forwards say most
 about the next), regularised toward a prior made of a few pseudo-measurements of a small model on a small CPU, so
 that the first estimates are sane and one odd measurement cannot swing the fit.
@@ -51,7 +51,7 @@ _MAX_STEPS = 200_000
 
 @dataclass(frozen=True)
 class CostPrior:
-    """What the model believes before any measurement: about llama-135m fp32 on a 2-core CPU."""
+    """What the model believes before any measurement: a small model on a small CPU (benchmarks/README.md, serving)."""
 
     forward_s: float = 0.005  # fixed cost of one prefill forward
     token_s: float = 0.0005  # per new token

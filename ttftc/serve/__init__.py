@@ -1,5 +1,5 @@
 """`ttftc serve`: an OpenAI-compatible HTTP server (FastAPI, uvicorn, server-sent events, Prometheus metrics) on a
-`ttftc.LLM`, and `ttftc loadtest`, a client that measures it the way operators do.
+`ttftc.LLM`. The client that measures it the way operators do, `ttftc loadtest`, is a tool: ttftc/bench/loadtest.py.
 
     from ttftc.serve import create_app, BackgroundServer
     with BackgroundServer(create_app(llm)) as server:      # a free 127.0.0.1 port; server.url
@@ -7,7 +7,7 @@
 
 Modules: errors (OpenAI's error shape), protocol (request bodies to typed requests), sse (chunks and events),
 metrics (Prometheus), policy (tenant priorities, TTFT-SLO admission), warm (pre-warmed, pinned prompts), app (the
-endpoints), server (uvicorn, signals and drain), loadtest and loadtest_report.
+endpoints), server (uvicorn, signals and drain).
 """
 
 from ttftc.serve.app import create_app
