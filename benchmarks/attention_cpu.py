@@ -12,9 +12,9 @@ q, k and v are [B, S, H, D] tensors viewed as [B, H, S, D], as a model's project
 Run:  python benchmarks/attention_cpu.py [--lengths 512 2048] [--repeats 5]
 Only ratios against `flash` measured in the same round are meaningful on a shared machine.
 
-Earlier (session 1, 2-core box under load, flash only): one masked call measured 10-30% faster than the rewrites
-for offset/window cases up to 1M query-key pairs, so the flash path uses it there (the rewrites keep memory
-O(rows x window) beyond that); the LSE merge beat one masked call for chunks at an offset.
+Earlier findings (benchmarks/README.md, attention kernels): one masked call beat the rewrites for offset/window
+cases up to 1M query-key pairs, so the flash path uses it there (the rewrites keep memory O(rows x window) beyond
+that); the LSE merge beat one masked call for chunks at an offset.
 """
 
 

@@ -5,10 +5,10 @@ Every variant of one group runs interleaved with the others in one process (the 
 times drift); the report is the median over rounds and the ratio against the group's first variant (the eager
 decomposition as Hugging Face runs it).
 
-Findings that shaped ttftc/codegen/cpu (2 shared, heavily loaded cores; ratios, fp32, 21 rounds): merged gate|up
-with in-place act*mul 1.08-1.11x over eager; merged q|k|v 1.25-1.29x over three GEMMs; the weight layout (a
-contiguous [K, N] copy vs the transposed view of [N, K]) and MKL's packed `_mkl_linear` make no difference
-beyond noise, so the lowerings keep the frozen weights as they are (no compile-time copy).
+Findings that shaped ttftc/codegen/cpu (figures, CPU and date in benchmarks/README.md, FFN and norms): merged
+gate|up with in-place act*mul beat eager, and merged q|k|v beat three GEMMs; the weight layout (a contiguous [K, N]
+copy vs the transposed view of [N, K]) and MKL's packed `_mkl_linear` make no difference beyond noise, so the
+lowerings keep the frozen weights as they are (no compile-time copy).
 
     python benchmarks/ffn_norm_cpu.py [--tokens 512] [--rounds 15] [--dtype float32]
 """

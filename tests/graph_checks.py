@@ -10,7 +10,7 @@ from collections import Counter
 
 import torch
 
-from ttftc.codegen.lowering import all_lowerings, load_providers
+from ttftc.codegen.providers import all_lowerings
 from ttftc.ops.registry import op_name_of
 
 aten = torch.ops.aten
@@ -22,7 +22,6 @@ UNFUSED = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._int_mm.d
 def lowered_ops(gm: torch.fx.GraphModule) -> Counter:
     """{(ttftc op, provider): calls} of the provider kernels the graph calls. Fails on a GEMM or attention left in
     aten form or on a ttftc op still calling its reference implementation."""
-    load_providers()
     kernels = {lowering.impl: (lowering.op, lowering.provider) for lowering in all_lowerings()}
     found: Counter = Counter()
     for node in gm.graph.nodes:

@@ -231,7 +231,7 @@ def test_a_compile_imports_every_listed_provider_and_no_kernel_tooling():
     script = textwrap.dedent(
         """
         import sys, torch
-        from ttftc.codegen.lowering import PROVIDER_MODULES
+        from ttftc.codegen.providers import PROVIDER_MODULES
 
         class Block(torch.nn.Module):
             def __init__(self):
@@ -257,12 +257,13 @@ def test_every_module_that_registers_a_lowering_is_listed():
     import pathlib
     import re
 
-    from ttftc.codegen import lowering
+    from ttftc.codegen.providers import PROVIDER_MODULES
+    from ttftc.codegen import registry
+    from ttftc.codegen.registry import PROVIDER_PACKAGES
 
-    root = pathlib.Path(lowering.__file__).parent
+    root = pathlib.Path(registry.__file__).parent
     registers = re.compile(r"\bregister_(?:lowering|space)\(")
-    registering = {f"ttftc.codegen.{package}.{path.stem}" for package in lowering.PROVIDER_PACKAGES
+    registering = {f"ttftc.codegen.{package}.{path.stem}" for package in PROVIDER_PACKAGES
                    for path in (root / package).glob("*.py") if registers.search(path.read_text())}
-    assert registering and registering <= set(lowering.PROVIDER_MODULES), registering - set(lowering.PROVIDER_MODULES)
-    assert list(lowering.PROVIDER_MODULES) == sorted(
-        lowering.PROVIDER_MODULES, key=lambda m: lowering.PROVIDER_PACKAGES.index(m.split(".")[2]))
+    assert registering and registering <= set(PROVIDER_MODULES), registering - set(PROVIDER_MODULES)
+    assert list(PROVIDER_MODULES) == sorted(PROVIDER_MODULES, key=lambda m: PROVIDER_PACKAGES.index(m.split(".")[2]))

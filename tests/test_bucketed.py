@@ -500,7 +500,8 @@ class _Configured(torch.nn.Module):
 
 
 def test_what_compiled_graphs_read_from_a_model():
-    from ttftc.buckets.compiled import max_positions_of, model_device, vocab_size_of
+    from ttftc.buckets.compiled import model_device
+    from ttftc.buckets.model_info import max_positions_of, vocab_size_of
 
     assert max_positions_of(_Configured(max_position_embeddings=1, n_positions=64)) == 1
     assert max_positions_of(_Configured(max_position_embeddings=0, n_positions=64)) == 64

@@ -1,7 +1,8 @@
 import pytest
 
 import ttftc
-from ttftc.config import DEVICES, PRECISIONS, PROVIDERS
+from ttftc.config import DEVICES, PASS_NAMES, PRECISIONS, PROVIDERS
+from ttftc.passes.registry import enabled_passes, pass_names
 
 
 def test_default_config_is_frozen_and_hashable():
@@ -65,9 +66,8 @@ def test_invalid_values_name_the_value_and_the_valid_ones(kwargs, fragments):
 
 
 def test_enabled_passes_follow_pipeline_order():
-    from ttftc.passes.registry import pass_names
-
     names = pass_names()
+    assert names == PASS_NAMES
     cfg = ttftc.Config(passes=tuple(reversed(names)))
-    assert cfg.enabled_passes() == names
-    assert ttftc.Config(passes=()).enabled_passes() == ()
+    assert enabled_passes(cfg) == names
+    assert enabled_passes(ttftc.Config(passes=())) == ()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import ttftc
 from ttftc import zoo
-from ttftc.runtime import PRIVATE, EngineClosedError, PrefixCache
+from ttftc.runtime import PRIVATE, EngineClosedError, PrefixCache, background
 from tests.serve.helpers import submitted_priorities, wait_until
 
 TIMEOUT_S = 60
@@ -155,3 +157,85 @@ def test_the_compiled_kv_path_decodes_and_continues_like_the_eager_model():
             assert result.token_ids == plain
     finally:
         llm.close(5)
+
+
+def test_background_compile_serves_eagerly_then_swaps_the_compiled_kv_path_in(monkeypatch):
+    gate = threading.Event()
+    warm = background.warm_kv_path
+
+    def held(engine, stop):
+        assert gate.wait(TIMEOUT_S * 2), "the test never let the KV path compile"
+        return warm(engine, stop)
+
+    monkeypatch.setattr(background, "warm_kv_path", held)
+    lines: list[str] = []
+    llm = ttftc.LLM("tiny", buckets=None, precision="fp32", chunked_prefill=16, background_compile=True,
+                    on_progress=lines.append)
+    try:
+        eager = llm.model
+        assert llm.engine.model is eager and llm.compile_status()["kv_path"] == "pending"
+        prompts = [ids(1, 8), ids(40, 9)]
+        before = llm.generate(prompts, max_new_tokens=5, ignore_eos=True, timeout_s=TIMEOUT_S)
+        assert llm.engine.model is eager, "served on the eager model while the KV path compiles"
+        gate.set()
+        assert llm._compiler.done.wait(TIMEOUT_S * 4)
+        assert llm.compile_status() == {"buckets_total": 0, "buckets_compiled": 0, "buckets_failed": 0,
+                                        "buckets_compiling": 0, "kv_path": "compiled", "background": True}
+        assert llm.engine.model is not eager and isinstance(llm.engine.model, torch._dynamo.eval_frame.OptimizedModule)
+        assert len(lines) == 1 and lines[0].startswith("KV path compiled in "), lines
+        after = llm.generate(prompts, max_new_tokens=5, ignore_eos=True, timeout_s=TIMEOUT_S)
+        assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    finally:
+        gate.set()
+        llm.close(5)
+
+
+def test_a_failed_background_kv_compile_keeps_the_eager_model(monkeypatch):
+    def broken(engine, stop):
+        raise RuntimeError("simulated Dynamo failure")
+
+    monkeypatch.setattr(background, "warm_kv_path", broken)
+    llm = ttftc.LLM("tiny", buckets=None, precision="fp32", background_compile=True)
+    try:
+        assert llm._compiler.done.wait(TIMEOUT_S)
+        assert llm.engine.model is llm.model and llm.compile_status()["kv_path"] == "failed"
+        assert any("simulated Dynamo failure" in note for note in llm.notes), llm.notes
+        (result,) = llm.generate([ids(12, 3)], max_new_tokens=3, ignore_eos=True, timeout_s=TIMEOUT_S)
+        assert len(result.token_ids) == 3
+    finally:
+        llm.close(5)
+
+
+def test_the_python_api_compiles_before_it_returns_by_default():
+    lines: list[str] = []
+    llm = ttftc.LLM("tiny", buckets=(16,), precision="fp32", prefill_batch_sizes=(1,), compile_kv_path=False,
+                    on_progress=lines.append)
+    try:
+        assert llm._compiler is None and llm.engine.ready_batches is None and llm.engine.prefill_model is not None
+        assert lines[0].startswith("bucket 16 compiled in ") and lines[-1].startswith("KV path warmed up (eager) in ")
+        assert llm.compile_status()["buckets_compiled"] == 1 and llm.compile_status()["buckets_compiling"] == 0
+    finally:
+        llm.close(5)
+
+
+def test_close_during_the_background_kv_compile_stops_it_at_its_next_forward(monkeypatch):
+    gate, entered, forwards = threading.Event(), threading.Event(), []
+    warm = background.warm_kv_path
+
+    def held(engine, stop):
+        entered.set()
+        assert gate.wait(TIMEOUT_S * 2), "the test never let the KV path compile"
+        return warm(engine, lambda: forwards.append(stop()) or stop())
+
+    monkeypatch.setattr(background, "warm_kv_path", held)
+    llm = ttftc.LLM("tiny", buckets=None, precision="fp32", background_compile=True)
+    assert entered.wait(TIMEOUT_S), "the KV path's compile started"
+    closer = threading.Thread(target=llm.close, kwargs={"drain_timeout_s": 0})
+    with pytest.warns(UserWarning, match="waiting for the background compile") as record:
+        closer.start()
+        wait_until(lambda: len(record), TIMEOUT_S, "close to wait for the compile")
+        gate.set()
+        closer.join(TIMEOUT_S)
+    assert not closer.is_alive() and llm._compiler.done.is_set()
+    assert forwards == [True], "no KV-path forward (no compile) ran after close"
+    assert llm.engine.model is llm.model and llm.compile_status()["kv_path"] == "pending"

@@ -12,7 +12,8 @@ from ttftc._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-# Resolved on first use, so `import ttftc; ttftc.load(dir)` on a serving host never imports Dynamo or the passes.
+# Resolved on first use, so `import ttftc; ttftc.load(dir)` on a serving host never imports Dynamo, Inductor or
+# transformers.
 _LAZY = {
     "Config": "ttftc.config",
     "Report": "ttftc.report",
@@ -22,7 +23,7 @@ _LAZY = {
     "compile": "ttftc.api",
     "explain": "ttftc.api",
     "LLM": "ttftc.llm",
-    "load": "ttftc.aot.build",
+    "load": "ttftc.aot.load",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

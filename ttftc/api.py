@@ -6,8 +6,10 @@ from typing import Optional
 
 import torch
 
-from ttftc.dynamo_backend import TtftcBackend
+from ttftc.bucketed import compile_bucketed
+from ttftc.buckets.compiled import CompiledGraphs
 from ttftc.config import Config
+from ttftc.dynamo_backend import TtftcBackend
 from ttftc.report import Report
 
 
@@ -20,8 +22,6 @@ def compile(model: torch.nn.Module, config: Optional[Config] = None):  # noqa: A
         )
     if config is not None and config.buckets is not None:
         # Shape buckets: a wrapper that pads each prompt to its bucket and runs that bucket's graph directly.
-        from ttftc.bucketed import compile_bucketed
-
         return compile_bucketed(model, config)
     return torch.compile(model, backend=TtftcBackend(config))
 
@@ -42,8 +42,6 @@ def explain(model, *args, config: Optional[Config] = None, **kwargs) -> Report:
         compiled(*args, **kwargs)
     report = backend.report()
     if config is not None and config.buckets is not None and isinstance(model, torch.nn.Module):
-        from ttftc.buckets.compiled import CompiledGraphs
-
         report.notes.append(CompiledGraphs(model, config).plan.describe())
     if not backend.reports:
         report.notes.append("Dynamo handed ttftc no graph: nothing was compiled")

@@ -24,6 +24,7 @@ import torch
 from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.buckets.table import bucket_for
+from ttftc.cache.store import default_cache
 from ttftc.config import OVERSIZE_POLICIES, Config
 
 
@@ -59,7 +60,7 @@ class BucketedOutput:
 
     def to_cache(self):
         """The KV as a transformers DynamicCache, for model.generate(..., past_key_values=...)."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # lazy: an artifact's serving path (ttftc.load) runs without transformers
 
         if self.past_key_values is None:
             raise ValueError("this output has no KV: call the model with use_cache=True")
@@ -319,8 +320,7 @@ def compile_bucketed(model: torch.nn.Module, config: Config, *, cache=_DEFAULT_C
 
     cache: a ttftc.cache.CompileCache, None for no cache, or (default) the default on-disk cache.
     """
-    from ttftc.buckets.compiled import CompiledGraphs, model_device
-    from ttftc.cache import default_cache
+    from ttftc.buckets.compiled import CompiledGraphs, model_device  # lazy: Dynamo, which ttftc.load never needs
 
     if cache is _DEFAULT_CACHE:
         cache = default_cache()

@@ -1,9 +1,8 @@
 """What the machine can do fast, probed once per process: native bf16, int8 dot products (VNNI), AMX.
 
 The precision policy (`precision="auto"`) and the CPU lowerings decide from this, never from where ttftc was
-developed: on a CPU without bf16 instructions oneDNN still runs bf16 GEMMs, emulated, at a fraction of fp32 speed
-(measured: 63 GFLOP/s bf16 against 333 fp32 on an Intel Xeon without avx512_bf16 or AMX), while on one with them
-bf16 runs about 2x fp32.
+developed: on a CPU without bf16 instructions oneDNN still runs bf16 GEMMs, emulated, at a fraction of fp32 speed,
+while on one with them bf16 runs faster than fp32 (benchmarks/README.md, bf16, has the figures and their CPUs).
 
 Native bf16 is decided by measurement: a small GEMM is timed in both dtypes, and bf16 counts as native only when it
 is faster by NATIVE_SPEEDUP. The flags only skip the timing where they settle the answer negatively (no bf16
@@ -23,13 +22,17 @@ from typing import Optional
 
 import torch
 
+from ttftc.codegen.cpu import _native
+from ttftc.codegen.cpu import attention as cpu_attention
+
 # Overrides the probe's answer ("0" or "1"): for a machine the probe gets wrong, and for tests that must not
 # depend on the CPU they run on.
 NATIVE_BF16_ENV = "TTFTC_NATIVE_BF16"
-# A bf16 GEMM must beat fp32 by this much in the timing probe to count as native (emulation is 3-5x slower).
+# A bf16 GEMM must beat fp32 by this much in the timing probe to count as native (emulated bf16 is several times
+# slower than fp32: benchmarks/README.md, bf16).
 NATIVE_SPEEDUP = 1.2
 # Attention runs in bf16 only when its kernel beats fp32 by this much: the casts around it cost a pass over q, k, v
-# and the output (ATen's CPU flash kernel measured 0.95-1.06x fp32 in bf16 on an AMD EPYC with avx512_bf16).
+# and the output, and a kernel with fp32 inner products gains little from bf16 (benchmarks/README.md, bf16).
 ATTENTION_SPEEDUP = 1.1
 _PROBE_SIZE = 512
 
@@ -107,9 +110,8 @@ def measured_bf16_speedup() -> float:
 def measured_bf16_attention_speedup() -> float:
     """fp32 time / bf16 time of causal prefill attention (8 heads x 512 tokens x 64) on this CPU, each dtype on its
     fastest CPU kernel (ttftc's native fp32 kernel, ATen's flash kernel, or the GEMM-blocked one), measured once."""
-    from ttftc.codegen.cpu.attention import kernel_seconds  # the kernels the CPU lowering will run
-
-    return min(kernel_seconds(torch.float32).values()) / min(kernel_seconds(torch.bfloat16).values())
+    seconds = cpu_attention.kernel_seconds  # the kernels the CPU lowering will run
+    return min(seconds(torch.float32).values()) / min(seconds(torch.bfloat16).values())
 
 
 def _cpu() -> Capabilities:
@@ -130,8 +132,6 @@ def _cpu() -> Capabilities:
     int8_dot = bool(flags and {"avx512_vnni", "avx_vnni", "amx_int8", "i8mm", "asimddp"} & flags)
     amx = bool(flags and {"amx_tile", "amx_bf16", "amx_int8"} & flags)
     attention = measured_bf16_attention_speedup() if native and override is None else None
-    from ttftc.codegen.cpu import _native  # what the CPU lowerings will run with
-
     kernels = _native.isa() or _native.unavailable_reason()
     return Capabilities("cpu", name, native, evidence, int8_dot, amx, watched, attention, kernels)
 

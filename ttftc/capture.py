@@ -13,6 +13,9 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo import symbolic_convert
+
+from ttftc.fx_utils import copy_graph
 
 aten = torch.ops.aten
 
@@ -82,8 +85,6 @@ def weights_as_attributes(dynamo_gm: fx.GraphModule, inputs: Sequence,
     module owns. Handing them back to the module is what lets Inductor freeze them, whatever Dynamo's settings
     were while it traced.
     """
-    from ttftc.passes.graph_utils import copy_graph
-
     gm = fx.GraphModule(dynamo_gm, copy_graph(dynamo_gm.graph))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     chosen = set(weight_indices)
@@ -111,8 +112,8 @@ def retrace_with_symbolic_lengths(example_inputs: Sequence) -> None:
     every dimension above 1 of a non-weight tensor input (the prompt length, a KV cache's past length), the batch
     dimension excepted, is marked `maybe_mark_dynamic`, so a weight-pinned size (the hidden size) or a size the model branches on specialises
     back to a constant during the retrace, and the frame restarts. A model compiled this way never compiles again
-    for a new prompt length, where the static first graph would be thrown away at the next length (6.3 s at 513
-    tokens after 512 on llama-135m).
+    for a new prompt length, where the static first graph would be thrown away at the next length and compiled again
+    (benchmarks/README.md, start-up).
 
     The restart uses two Dynamo internals, checked for and skipped (compiling the static graph) when missing: the
     one restart exception that Dynamo lets a backend raise (its float-tensorify pass uses it the same way), and
@@ -122,9 +123,7 @@ def retrace_with_symbolic_lengths(example_inputs: Sequence) -> None:
         return
     restart = getattr(torch._dynamo.exc, "TensorifyScalarRestartAnalysis", None)
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
+        tx = symbolic_convert.InstructionTranslator.current_tx()
         speculation_log = tx.speculation_log
     except (ImportError, AttributeError, AssertionError):
         return

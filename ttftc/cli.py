@@ -1,14 +1,17 @@
-"""The `ttftc` command: a thin dispatcher over one module per subcommand.
+"""The `ttftc` command: a thin dispatcher over one pair of modules per subcommand.
 
     ttftc bench MODEL --seq 128,512 --json out.json --md out.md --plot out.png
     ttftc explain MODEL --seq 128 --precision bf16
 
-A subcommand is a module in ttftc/commands/ with two functions:
+A subcommand NAME is two modules in ttftc/commands/:
 
-    def add_parser(subparsers) -> None:    # subparsers.add_parser("name", help=...), then its arguments
-    def run(args) -> int:                  # the exit status; raise ttftc.commands.UsageError for bad input
+    NAME.py      def add_parser(subparsers) -> None: subparsers.add_parser("NAME", help=...), its arguments, and
+                 set_defaults(run_module="ttftc.commands.NAME_run"). Standard library imports only (and other
+                 parser modules, ttftc.config), so `ttftc --help` and argument errors stay quick.
+    NAME_run.py  def run(args) -> int: the exit status; raise ttftc.commands.UsageError for bad input. Imports
+                 what it needs at its top (torch, the model code, the server).
 
-and one line in SUBCOMMANDS below. Keep heavy imports inside `run`, so `ttftc --help` stays quick.
+and one entry in SUBCOMMANDS below. main imports only the chosen subcommand's run module.
 Bad input gives one line on stderr and exit status 2, from argparse and from UsageError alike.
 """
 
@@ -19,17 +22,11 @@ import importlib
 import sys
 from typing import Optional
 
-# One line per subcommand, in the order `ttftc --help` lists them.
-SUBCOMMANDS = (
-    "ttftc.commands.autotune",
-    "ttftc.commands.bench",
-    "ttftc.commands.compile",
-    "ttftc.commands.explain",
-    "ttftc.commands.serve",
-    "ttftc.commands.loadtest",
-    "ttftc.commands.cache",
-    "ttftc.commands.kernels",
-)
+from ttftc.commands import UsageError, autotune, bench, cache, explain, kernels, loadtest, serve
+from ttftc.commands import compile as compile_command  # not the builtin
+
+# In the order `ttftc --help` lists them.
+SUBCOMMANDS = (autotune, bench, compile_command, explain, serve, loadtest, cache, kernels)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -44,18 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="ttftc", description="ttftc: a torch.compile backend for time to first token.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     subparsers.required = True
-    for module_name in SUBCOMMANDS:
-        importlib.import_module(module_name).add_parser(subparsers)
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from ttftc.commands import UsageError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        # The lazy boundary of the CLI: only the chosen subcommand's run module (and so torch, the model code or
+        # the server) is imported, once the arguments parsed.
+        run_module = importlib.import_module(args.run_module)
+        return int(run_module.run(args) or 0)
     except UsageError as exc:
         message = " ".join(str(exc).split())
         print(f"ttftc {args.command}: error: {message}", file=sys.stderr)

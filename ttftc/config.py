@@ -18,6 +18,10 @@ PROVIDERS = ("auto", "reference", "triton", "cpu", "npu")
 OVERSIZE_POLICIES = ("error", "dynamic")
 CODEGENS = ("eager", "inductor")
 DYNAMIC_SHAPES = ("auto", "dynamo")
+# The names Config.passes may give, in pipeline order. The passes themselves sit above the config
+# (ttftc/passes/registry.py, whose PIPELINE is checked against this tuple when it is imported), so that a Config
+# is validated when it is built without importing a single pass.
+PASS_NAMES = ("attention", "rope", "ffn", "norm_linear", "precision", "linear")
 
 Precision = Literal["auto", "fp32", "bf16", "int8"]
 
@@ -70,9 +74,7 @@ class Config:
         self._validate()
 
     def _validate(self) -> None:
-        from ttftc.passes.registry import pass_names
-
-        known = pass_names()
+        known = PASS_NAMES
         if isinstance(self.passes, str):
             if self.passes != "all":
                 raise ValueError(
@@ -130,13 +132,6 @@ class Config:
                     "the eager code generator. Use codegen='eager' to keep the buckets, or buckets=None to let "
                     "Inductor compile one graph with a symbolic prompt length (no recompile per length either)."
                 )
-
-    def enabled_passes(self) -> tuple[str, ...]:
-        from ttftc.passes.registry import pass_names
-
-        if self.passes == "all":
-            return pass_names()
-        return tuple(n for n in pass_names() if n in self.passes)
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)

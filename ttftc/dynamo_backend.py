@@ -24,7 +24,7 @@ import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc.*)
 from ttftc.capture import (FlatInputs, flat_inputs, freeze_weights, is_weight, retrace_with_symbolic_lengths,
                            weights_as_attributes)
 from ttftc.config import Config
-from ttftc.passes.graph_utils import copy_graph
+from ttftc.fx_utils import copy_graph
 from ttftc.pipeline import run_pipeline
 from ttftc.report import Report
 
@@ -126,8 +126,8 @@ class TtftcBackend:
         return _WeightGuard(inputs.weight_indices, inputs.tensors, run, compile_for)
 
     def _compile_inductor(self, dynamo_gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
-        """The Inductor code generator (codegen/inductor_pass.py), on a graph that owns the model's weights."""
-        from ttftc.codegen.inductor_pass import TtftcPostGradPass, compile_with_inductor
+        """The Inductor code generator (ttftc/inductor_pass.py), on a graph that owns the model's weights."""
+        from ttftc.inductor_pass import TtftcPostGradPass, compile_with_inductor  # lazy: slow Inductor imports
 
         weight_indices = frozenset(i for i, x in enumerate(example_inputs) if is_weight(x))
 

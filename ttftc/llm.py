@@ -30,16 +30,26 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Hashable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from ttftc import __version__ as TTFTC_VERSION
+from ttftc.aot.artifact import MANIFEST, read_manifest
+from ttftc.aot.load import load as load_artifact
+from ttftc.api import compile as ttftc_compile
+from ttftc.config import Config
+from ttftc.dynamo_backend import TtftcBackend
 from ttftc.models import load_model, resolve_model
+from ttftc.runtime import background
+from ttftc.runtime.engine import PrefillEngine
+from ttftc.runtime.engine_loop import EndEvent, EngineLoop
 from ttftc.runtime.kv import ModelGeometry
 from ttftc.runtime.kv_disk import KVDiskTier
 from ttftc.runtime.kv_disk import model_key as kv_model_key
-from ttftc.runtime.prefix_cache import DEFAULT_BLOCK_SIZE, PRIVATE, Tenant
+from ttftc.runtime.prefix_cache import DEFAULT_BLOCK_SIZE, PRIVATE, PrefixCache, Tenant
+from ttftc.runtime.sampling import Sampling
+from ttftc.runtime.scheduler import Request, StepScheduler
 from ttftc.text import OutputText, PromptCodec, load_tokenizer
 from ttftc.text import Delta as Delta  # re-exported: what stream() yields
 
@@ -53,6 +63,7 @@ DEFAULT_KV_DISK_BYTES = 8 << 30
 # a 128-token chunk of a long prompt, so a short request waits for one such step, not for a long prefill.
 DEFAULT_STEP_TOKENS = 512
 DEFAULT_CHUNK_TOKENS = 128
+COMPILE_STOP_TIMEOUT_S = 600  # the most close() waits for the background compile's graph in hand
 _FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "cancelled", "error": "error"}
 
 Prompt = Union[str, Sequence[int]]
@@ -104,9 +115,7 @@ class GenerationParams:
         if not isinstance(self.ignore_eos, bool):
             raise ParamError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
-    def sampling(self):
-        from ttftc.runtime.sampling import Sampling
-
+    def sampling(self) -> Sampling:
         seed = self.seed
         if self.temperature > 0 and seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())  # an explicit seed keeps each request's draws its own
@@ -177,8 +186,6 @@ class RequestOutput:
         return self.record is not None
 
     def on_event(self, event) -> Optional[Delta]:
-        from ttftc.runtime.engine_loop import EndEvent
-
         if isinstance(event, EndEvent):
             self.record = event.record
             self.error = event.error
@@ -263,7 +270,15 @@ class LLM:
                      alone.
     compile_kv_path: compile the KV path (decode, cached-prefix and chunk continuation) with ttftc and dynamic
                      shapes; False keeps it eager (no compile time: tests, debugging).
-    warmup:          compile and run every graph once before serving, so no request pays for a compile.
+    warmup:          compile and run every graph once before the constructor returns, so no request pays for a
+                     compile (False: each graph compiles on the first request that needs it).
+    background_compile: return once the model is loaded, serve at once on the eager KV path, and compile the
+                     buckets and the KV path on a thread meanwhile, each switching over as it is ready
+                     (runtime/background.py); `warmup` is then not used. `ttftc serve` starts this way; the Python
+                     API waits by default, so that the first call already runs at full speed. `compile_status()`
+                     and the `on_progress` lines tell how far it got.
+    on_progress:     called with one line of text per bucket compiled (and for the KV path, and for failures), on
+                     whichever thread compiles; None: the lines only go to the `ttftc.runtime.background` logger.
     kv_disk, kv_disk_bytes: a directory for the prefix cache's disk tier (runtime/kv_disk.py) and its byte budget:
                      blocks evicted from RAM, and every block at close(), are kept there, found again after a
                      restart, and loaded where loading measures faster than recomputing; None: no disk tier.
@@ -279,11 +294,8 @@ class LLM:
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, tokenizer: Any = None,
                  name: Optional[str] = None, compile_kv_path: bool = True, warmup: bool = True,
                  batched_decode: bool = True, tenant: Tenant = None,
-                 kv_disk: Optional[Union[str, Path]] = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES):
-        from ttftc.runtime.engine import PrefillEngine
-        from ttftc.runtime.engine_loop import EngineLoop
-        from ttftc.runtime.scheduler import StepScheduler
-
+                 kv_disk: Optional[Union[str, Path]] = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
+                 background_compile: bool = False, on_progress: Optional[Callable[[str], None]] = None):
         if not isinstance(precision, str):
             raise ValueError(f"precision must be a string such as 'auto', 'fp32' or 'bf16', got {precision!r}")
         if chunked_prefill is not None and (not _is_int(chunked_prefill) or chunked_prefill < 1):
@@ -302,13 +314,22 @@ class LLM:
         self.model = source.model
         self.codec = PromptCodec(tokenizer if tokenizer is not None else source.tokenizer)
         self.notes: list[str] = []
-        prefill_model, batch_sizes = self._prefill_model(source, precision, buckets, prefill_batch_sizes)
+        self.on_progress = on_progress
+        self._compiler: Optional[background.BackgroundCompile] = None
+        in_background = bool(background_compile)
+        compile_buckets = in_background and source.artifact is None  # an artifact's graphs load in no time
+        prefill_model, batch_sizes = self._prefill_model(source, precision, buckets, prefill_batch_sizes,
+                                                         check_plan=not compile_buckets)
         cache = self._prefix_cache(prompt_cache, prefix_cache_bytes, self._disk_tier(kv_disk, kv_disk_bytes, precision,
                                                                                      prompt_cache))
         kv_model = self._kv_model(precision) if compile_kv_path else self.model
-        self.engine = PrefillEngine(kv_model, prefix_cache=cache, chunk_size=chunked_prefill,
-                                    prefill_model=prefill_model, prefill_batch_sizes=batch_sizes,
-                                    prefill_batch_tokens=prefill_batch_tokens, batched_decode=batched_decode)
+        # In the background mode the engine starts on the eager model with no bucket, and is handed each graph as
+        # it is compiled.
+        self.engine = PrefillEngine(self.model if in_background else kv_model, prefix_cache=cache,
+                                    chunk_size=chunked_prefill,
+                                    prefill_model=None if compile_buckets else prefill_model,
+                                    prefill_batch_sizes=batch_sizes, prefill_batch_tokens=prefill_batch_tokens,
+                                    batched_decode=batched_decode)
         self.scheduler = StepScheduler(self.engine, max_batch_tokens, chunk_size=chunked_prefill,
                                        batch_window_s=batch_window_ms / 1000.0, max_running=max_running)
         if cache is not None and cache.disk is not None and cache.recompute_seconds is None:
@@ -317,18 +338,26 @@ class LLM:
         self.eos_token_id = self.codec.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = _config_eos(self.model)
-        if warmup:
+        if in_background:
+            self._compiler = background.BackgroundCompile(
+                self.engine, prefill=prefill_model if compile_buckets else None,
+                kv_model=kv_model if compile_kv_path else None,
+                expected_buckets=tuple(buckets or ()), on_progress=on_progress,
+                notes=self.notes)
+        elif warmup:
             self._warm_up()
         self.loop = EngineLoop(self.scheduler).start()
         self._ids = itertools.count()
+        if self._compiler is not None:
+            self._compiler.start()
 
     # ---- construction ----------------------------------------------------------------------------------------------
 
-    def _prefill_model(self, source: "_ModelSource", precision: str, buckets, batch_sizes):
+    def _prefill_model(self, source: "_ModelSource", precision: str, buckets, batch_sizes, *, check_plan: bool = True):
+        """(the bucketed prefill model or None, its batch sizes). check_plan=False leaves the padding plan, a trace of
+        the model, to whoever compiles the buckets (the background compile does it off the start-up path)."""
         if source.artifact is not None:
-            from ttftc.aot.build import load
-
-            prefill = load(source.artifact)
+            prefill = load_artifact(source.artifact)
             signatures = prefill.source.specs  # the graphs the artifact holds, by signature
             usable = sorted({s.batch for s in signatures if s.logits == "last" and s.kv})
             if 1 not in usable:
@@ -340,19 +369,13 @@ class LLM:
         if buckets is None:
             self.notes.append("no buckets: every prefill runs on the KV path (eager)")
             return None, (1,)
-        from ttftc.api import compile as ttftc_compile
-        from ttftc.config import Config
-
         prefill = ttftc_compile(self.model, Config(buckets=tuple(buckets), precision=precision))
-        if not prefill.plan.safe:
+        if check_plan and not prefill.plan.safe:
             self.notes.append(f"buckets not used: {prefill.plan.reason}")
             return None, (1,)
         return prefill, tuple(batch_sizes)
 
     def _kv_model(self, precision: str):
-        from ttftc.config import Config
-        from ttftc.dynamo_backend import TtftcBackend
-
         # Dynamic from the first call: prompt and KV lengths vary on every call of this path.
         return torch.compile(self.model, backend=TtftcBackend(Config(precision=precision)), dynamic=True)
 
@@ -368,8 +391,6 @@ class LLM:
         return KVDiskTier(directory, budget_bytes, model_key=key, dtype=geometry.dtype, block_shape=shape)
 
     def _prefix_cache(self, prompt_cache, budget_bytes: int, disk: Optional[KVDiskTier] = None):
-        from ttftc.runtime.prefix_cache import PrefixCache
-
         if isinstance(prompt_cache, PrefixCache):
             return prompt_cache
         if prompt_cache is True:
@@ -380,45 +401,42 @@ class LLM:
 
     def _warm_up(self) -> None:
         """Compile (or load) every graph serving can use and run each once, so no request pays for it."""
-        from ttftc.runtime.sampling import GREEDY
-
         engine = self.engine
-        vocab = engine.geometry.vocab_size
         prefill = engine.prefill_model
         try:
             for bucket in prefill.buckets if prefill is not None else ():
+                started = time.perf_counter()
                 for batch in engine.batch_sizes_for(bucket):
-                    ids = torch.randint(0, vocab, (batch, bucket), generator=torch.Generator().manual_seed(bucket))
-                    prefill(ids, logits_to_keep=1, use_cache=True)
+                    background.compile_graph(prefill, bucket, batch)
+                self._progress(f"bucket {bucket} compiled in {time.perf_counter() - started:.1f} s")
         except Exception as exc:  # serve on the KV path rather than not at all, and say so
             note = f"bucketed prefill disabled, every prompt runs on the KV path: {type(exc).__name__}: {exc}"
             self.notes.append(note)
             warnings.warn(f"ttftc.LLM: {note}", stacklevel=3)
             engine.prefill_model = None
-        # The KV path: a cold prefill, one continuing from KV (a cached prefix, a later chunk), and decodes; also a
-        # one-token prompt and its decode, because a compiled model specialises sizes of 1 into graphs of their own.
-        for first_stretch, length in ((13, 24), (None, 1)):
-            # PRIVATE: warm-up prompts are not the application's, so they neither hit nor fill its cache.
-            job = engine.start([t % vocab for t in range(3, 3 + length)], tenant=PRIVATE)
-            if first_stretch is not None:
-                job.advance(first_stretch)
-            first = job.advance()
-            try:
-                token = first.token
-                for _ in range(2):
-                    token, _ = engine.decode_step(first.kv, token)
-            finally:
-                first.kv.release()
-        # Batched decode: oneDNN builds its GEMMs per row count on first use.
-        if engine.batched_decode:
-            firsts = [engine.first_token([(t * 7 + row) % vocab for t in range(5 + row)], tenant=PRIVATE)
-                      for row in range(8)]
-            try:
-                for rows in (2, 3, 4, 8):
-                    engine.decode_batch([(f.kv, f.token, GREEDY, None) for f in firsts[:rows]])
-            finally:
-                for first in firsts:
-                    first.kv.release()
+        started = time.perf_counter()
+        background.warm_kv_path(engine)
+        background.warm_batched_decode(engine)
+        done = "compiled" if engine.model is not self.model else "warmed up (eager)"
+        self._progress(f"KV path {done} in {time.perf_counter() - started:.1f} s")
+
+    def _progress(self, line: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(line)
+
+    def compile_status(self) -> dict:
+        """How far compiling got: buckets compiled, failed and still compiling, and the KV path's state ("eager":
+        not compiled by choice; "pending", "compiled" or "failed" in the background mode; "ready" otherwise)."""
+        compiler = self._compiler
+        if compiler is None:
+            prefill = self.engine.prefill_model
+            count = len(prefill.buckets) if prefill is not None else 0
+            compiled_kv = self.engine.model is not self.model
+            return {"buckets_total": count, "buckets_compiled": count, "buckets_failed": 0, "buckets_compiling": 0,
+                    "kv_path": "ready" if compiled_kv else "eager", "background": False}
+        return {"buckets_total": compiler.buckets_total, "buckets_compiled": compiler.buckets_compiled,
+                "buckets_failed": compiler.buckets_failed, "buckets_compiling": compiler.compiling,
+                "kv_path": compiler.kv_path, "background": True}
 
     # ---- requests ----------------------------------------------------------------------------------------------------
 
@@ -448,8 +466,6 @@ class LLM:
         """Submit one request whose events go to `sink` (called on the engine thread); feed those events to the
         returned RequestOutput on your own thread. `arrived_at` is on `time.perf_counter`'s clock; `tenant=None`
         is this LLM's namespace; a lower `priority` is prefilled sooner (ttftc.runtime.scheduler says how)."""
-        from ttftc.runtime.scheduler import Request
-
         tenant = self.tenant if tenant is None else _checked_tenant(tenant)
         priority = checked_priority(priority)
         ids = self.engine.validate(prompt_ids)
@@ -528,7 +544,18 @@ class LLM:
     def close(self, drain_timeout_s: float = 30.0) -> int:
         """Finish the requests in flight (up to `drain_timeout_s`), cancel the rest, stop the engine thread.
         Returns how many were cancelled. With a disk tier, every cached block is written there, for the next start."""
+        if self._compiler is not None:
+            self._compiler.stop(timeout_s=0)  # no new graph from now on
         cancelled = self.loop.close(drain_timeout_s)
+        compiler = self._compiler
+        if compiler is not None and not compiler.stop(timeout_s=drain_timeout_s):
+            # A process that exits while a thread is inside a compile aborts in C++ (std::terminate): wait for the
+            # graph in hand, which starts no other.
+            warnings.warn("ttftc.LLM.close: waiting for the background compile to finish the graph in hand",
+                          stacklevel=2)
+            if not compiler.stop(timeout_s=COMPILE_STOP_TIMEOUT_S):
+                warnings.warn("ttftc.LLM.close: the background compile did not finish its graph in "
+                              f"{COMPILE_STOP_TIMEOUT_S} s; closing without it", stacklevel=2)
         if self.prefix_cache is not None:
             self.prefix_cache.persist()
         return cancelled
@@ -566,8 +593,6 @@ class _ModelSource:
 
     @classmethod
     def resolve(cls, model_or_path, artifact) -> "_ModelSource":
-        from ttftc.aot.artifact import MANIFEST, read_manifest
-
         if artifact is None and isinstance(model_or_path, (str, Path)) and (Path(model_or_path) / MANIFEST).is_file():
             artifact, model_or_path = model_or_path, None
         if artifact is not None:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ttftc import zoo
 
@@ -54,16 +56,12 @@ def resolve_model(arg: str) -> ModelSpec:
     if not any((path / f).is_file() for f in _WEIGHT_FILES):
         raise ModelInputError(f"{arg!r} is not a model directory: it has no model.safetensors or pytorch_model.bin")
     config = _load_config(path)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ModelInputError(f"{arg!r} holds a {config.model_type!r} model, which is not a causal language model")
     return ModelSpec(name=str(path.resolve()), directory=str(path.resolve()))
 
 
 def _load_config(path: Path):
-    from transformers import AutoConfig
-
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # a malformed config.json or an unknown model_type
@@ -76,8 +74,6 @@ def load_model(spec: ModelSpec, *, attn: str = "sdpa", device: str = "cpu") -> t
     if spec.is_preset:
         model = zoo.build_preset(spec.name, attn)
     else:
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(
             spec.directory, attn_implementation=attn, dtype=torch.float32, local_files_only=True
         )

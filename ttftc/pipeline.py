@@ -18,7 +18,7 @@ from ttftc.codegen.cpu._blas import measured_gemm_backend
 from ttftc.codegen.cpu.attention import describe_kernel_choice
 from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 from ttftc.config import Config
-from ttftc.passes.graph_utils import op_histogram
+from ttftc.fx_utils import op_histogram
 from ttftc.passes.manager import PassManager
 from ttftc.report import Report, graph_flops, make_report
 

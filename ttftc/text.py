@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from transformers import AutoTokenizer
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # A decode that ends in U+FFFD has cut a multi-byte character in half: wait for the next token.
 _PARTIAL = "\ufffd"
@@ -28,8 +30,6 @@ def load_tokenizer(directory: Path | str):
     """The tokenizer stored in a model directory, or None when there is none. Never downloads, never runs code."""
     if not has_tokenizer_files(directory):
         return None
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     except Exception as exc:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from transformers import (AutoModelForCausalLM, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config,
+                          Qwen2Config)
 
 ATTENTION_IMPLS = ("eager", "sdpa")
 
@@ -17,45 +19,33 @@ _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 def _llama(**kw):
-    from transformers import LlamaConfig
-
     return LlamaConfig(**{**_TINY, "num_attention_heads": 4, "num_key_value_heads": 4, **kw})
 
 
 def _qwen2(**kw):
-    from transformers import Qwen2Config
-
     # GQA 4:1 and Qwen2's q/k/v biases.
     return Qwen2Config(**{**_TINY, "num_attention_heads": 4, "num_key_value_heads": 1, **kw})
 
 
 def _mistral(**kw):
-    from transformers import MistralConfig
-
     # The window is wider than any test prompt, so attention is plainly causal; a narrower window is a
     # separate test case.
     return MistralConfig(**{**_TINY, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 4096, **kw})
 
 
 def _gpt2(**kw):
-    from transformers import GPT2Config
-
     base = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=0)
     renames = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head"}
     return GPT2Config(**{**base, **{renames.get(k, k): v for k, v in kw.items()}})
 
 
 def _phi3(**kw):
-    from transformers import Phi3Config
-
     # Phi-3 ships gate and up already merged (gate_up_proj) and q/k/v merged (qkv_proj).
     return Phi3Config(**{**_TINY, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1,
                                 "eos_token_id": 2, **kw})
 
 
 def _gemma(**kw):
-    from transformers import GemmaConfig
-
     # GeGLU (gelu-tanh) and RMSNorm with (1 + w).
     return GemmaConfig(**{**_TINY, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, **kw})
 
@@ -113,8 +103,6 @@ def config(family: str, **overrides):
 
 def build(family: str, attn: str = "eager", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """A randomly initialised causal LM of `family` in eval mode. `overrides` go to the HF config."""
-    from transformers import AutoModelForCausalLM
-
     if attn not in ATTENTION_IMPLS:
         raise ValueError(f"Unknown attention implementation {attn!r}; valid: {ATTENTION_IMPLS}")
     cfg = config(family, **overrides)

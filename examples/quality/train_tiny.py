@@ -1,6 +1,7 @@
 """Train the tiny Llama of ttftc's quality check (examples/quality/tiny_task.py) and save it with save_pretrained.
 
-A few minutes on 2 CPU cores (500-1000 steps, about 0.1-0.5 s each depending on load). The checked-in weights in examples/quality/tiny_task/ came from:
+500-1000 steps: a few minutes on a small CPU (benchmarks/README.md, tooling run times). The checked-in weights in
+examples/quality/tiny_task/ came from:
 
     python examples/quality/train_tiny.py --out examples/quality/tiny_task
 """

@@ -6,7 +6,7 @@ import torch
 
 from ttftc.autotune import space as space_module
 from ttftc.autotune.space import Problem, SearchSpace, TensorSpec, register_space, space_for
-from ttftc.codegen.lowering import load_providers
+import ttftc.codegen.providers  # noqa: F401  (importing it registers every lowering and search space)
 from ttftc.codegen.triton import attention_ascend
 from ttftc.codegen.triton import ascend_device
 from ttftc.codegen.triton.ascend_device import ATLAS_A2, AscendDevice, launch_grid
@@ -37,7 +37,6 @@ def test_device_specific_space_wins_and_others_fall_back(monkeypatch):
 
 
 def test_triton_attention_space_is_chosen_by_device():
-    load_providers()
     gpu, npu = space_for("attention", "triton", "cuda"), space_for("attention", "triton", "npu")
     assert {"num_warps", "num_stages"} <= set(gpu.axes)
     assert npu.device_type == "npu" and "untested on hardware" in npu.notes

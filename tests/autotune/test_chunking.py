@@ -9,13 +9,13 @@ import torch
 import ttftc
 from ttftc import zoo
 from ttftc.autotune import cache as cache_module
-from ttftc.autotune.api import tune_model
 from ttftc.autotune.cache import AutotuneCache
-from ttftc.autotune.chunking import (
-    OP, chunk_candidates, chunk_key, pick_chunk_size, runner_of, tune_chunk_sizes, tuned_chunk_sizes, tuned_chunk_table,
-)
 from ttftc.commands.autotune import _chunk_sizes
 from ttftc.runtime import PrefillEngine
+from ttftc.tuning.api import tune_model
+from ttftc.tuning.chunking import (
+    OP, chunk_candidates, chunk_key, pick_chunk_size, runner_of, tune_chunk_sizes, tuned_chunk_sizes, tuned_chunk_table,
+)
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import ttftc
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, SearchSpace, TensorSpec, space_for
-from ttftc.autotune.tuner import OpInstance, tune_instances
 from ttftc.codegen.cpu import _threads
 from ttftc.codegen.cpu import attention as cpu_attention
 from ttftc.codegen.cpu._threads import honours_num_threads, intra_op_threads, thread_counts, with_thread_axis
-from ttftc.codegen.lowering import load_providers
+import ttftc.codegen.providers  # noqa: F401  (importing it registers every lowering and search space)
+from ttftc.tuning.tuner import OpInstance, tune_instances
 
 THREADED_OPS = ("attention", "norm_linear", "gated_ffn", "linear_act", "linear", "int8_linear")
 
@@ -92,7 +92,6 @@ def test_wrapper_applies_the_count_and_passes_the_config_on_only_when_wanted():
 
 
 def test_every_cpu_space_has_the_thread_axis_and_defaults_to_the_running_process_count():
-    load_providers()
     x = TensorSpec((4, 8), torch.float32)
     for op in THREADED_OPS:
         space = space_for(op, "cpu")
@@ -136,7 +135,6 @@ def _explicit_counts() -> set:
 
 
 def test_plain_causal_attention_searches_its_kernel_and_the_thread_count_only():
-    load_providers()
     spec = TensorSpec((1, 2, 16, 8), torch.float32)
     problem = Problem("attention", "cpu", (spec, spec, spec),
                       (("causal", True), ("q_offset", 0), ("scale", 0.3), ("window", 0)))
@@ -169,7 +167,6 @@ class FavourTimer:
 
 
 def test_int8_linear_thread_count_is_tuned_and_cached(tmp_path):
-    load_providers()
     favourite = {"gemm": "int_mm", "num_threads": _other_count()}  # gemm: the int8 GEMM knob, tuned alongside
     cache = AutotuneCache(tmp_path)
     timer = FavourTimer(favourite)
@@ -182,7 +179,6 @@ def test_int8_linear_thread_count_is_tuned_and_cached(tmp_path):
 
 @pytest.mark.parametrize("autotune", [True, False])
 def test_compile_applies_the_cached_count_unless_config_autotune_is_off(tmp_path, monkeypatch, autotune):
-    load_providers()
     other = _other_count()
     monkeypatch.setenv("TTFTC_AUTOTUNE_CACHE", str(tmp_path))
     AutotuneCache(tmp_path).store(key_for(INT8_PROBLEM, "cpu"), {"num_threads": other}, 1.0, 2.0)

@@ -14,7 +14,7 @@ import pytest
 from ttftc.autotune.cache import MAX_ENTRY_BYTES, AutotuneCache, TuneKey
 from ttftc.autotune.space import knob_reason, tuning_axes
 from ttftc.cache.graph_calls import GraphFormatError, _check_tuning
-from ttftc.codegen.lowering import load_providers
+import ttftc.codegen.providers  # noqa: F401  (importing it registers every lowering and search space)
 
 KEY = TuneKey(device="cpu:test:2 threads", op="attention", provider="cpu", shapes="1x2x16x16:float32",
               dtype="float32")
@@ -22,7 +22,6 @@ KEY = TuneKey(device="cpu:test:2 threads", op="attention", provider="cpu", shape
 
 @pytest.fixture(scope="module")
 def attention_axes():
-    load_providers()
     return tuning_axes("attention", "cpu")
 
 
@@ -44,7 +43,6 @@ def test_a_knob_outside_its_axis_is_refused(attention_axes, config, reason):
 
 
 def test_every_point_of_the_space_and_any_thread_count_pass(attention_axes):
-    load_providers()
     from ttftc.autotune.space import space_for
 
     for point in space_for("attention", "cpu").grid():

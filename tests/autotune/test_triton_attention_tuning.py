@@ -10,8 +10,8 @@ from tests.helpers import needs_triton
 from ttftc.autotune import space as space_module
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.space import Problem, TensorSpec, space_for
-from ttftc.autotune.tuner import OpInstance, tune_instances
-from ttftc.codegen.lowering import load_providers
+import ttftc.codegen.providers  # noqa: F401  (importing it registers every lowering and search space)
+from ttftc.tuning.tuner import OpInstance, tune_instances
 
 pytestmark = [needs_triton, pytest.mark.interpreter]
 
@@ -34,7 +34,6 @@ class FavourTimer:
 
 
 def test_pruning_follows_the_kernel_constraints():
-    load_providers()
     space = space_for("attention", "triton")
     allowed, pruned = space.candidates(PROBLEM)
     assert allowed and pruned
@@ -44,7 +43,6 @@ def test_pruning_follows_the_kernel_constraints():
 
 
 def test_interpreted_kernel_is_tuned_to_the_timers_favourite(tmp_path, monkeypatch):
-    load_providers()
     space = space_for("attention", "triton")
     # Keep the interpreter's work small: two tile shapes, one warp/stage setting.
     small = dataclasses.replace(space, axes={"block_m": (16, 32), "block_n": (16, 32), "num_warps": (4,),

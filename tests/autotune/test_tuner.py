@@ -10,9 +10,9 @@ from ttftc.autotune import space as space_module
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, SearchSpace, TensorSpec
-from ttftc.autotune.tuner import OpInstance, summary_table, tune_instances
-from ttftc.codegen import lowering
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen import registry
+from ttftc.codegen.registry import register_lowering
+from ttftc.tuning.tuner import OpInstance, summary_table, tune_instances
 
 PROBLEM = Problem(
     "gated_ffn", "toy", (TensorSpec((6, 8), torch.float32), TensorSpec((32, 8), torch.float32),
@@ -35,8 +35,7 @@ def _rows_must_divide(config, problem):
 
 @pytest.fixture
 def toy_space(monkeypatch):
-    monkeypatch.setattr(lowering, "_LOWERINGS", {})
-    monkeypatch.setattr(lowering, "_providers_loaded", True)
+    monkeypatch.setattr(registry, "_LOWERINGS", {})
     monkeypatch.setattr(space_module, "_SPACES", {})
     register_lowering("gated_ffn", "toy", unsupported_reason=lambda ctx, *a, **k: None)(_toy_impl)
     return space_module.register_space(
@@ -111,7 +110,7 @@ def test_compile_uses_the_cached_config(toy_space, tmp_path, monkeypatch):
         seen.append(tuning_config)
         return _toy_impl(*args, tuning_config=tuning_config, **kwargs)
 
-    monkeypatch.setattr(lowering, "_LOWERINGS", {})
+    monkeypatch.setattr(registry, "_LOWERINGS", {})
     register_lowering("gated_ffn", "toy", unsupported_reason=lambda ctx, *a, **k: None)(spy)
 
     def fn(x, wgu, wd):
@@ -125,7 +124,7 @@ def test_compile_uses_the_cached_config(toy_space, tmp_path, monkeypatch):
 
 
 def test_correctness_gate_scales_with_the_output_magnitude():
-    from ttftc.autotune.tuner import _close
+    from ttftc.tuning.tuner import _close
 
     expected = torch.tensor([6000.0, -3000.0, 0.001, 0.0])
     reassociated = expected + torch.tensor([0.004, -0.002, 0.008, -0.008])  # ~1e-6 of the largest entry
@@ -135,7 +134,7 @@ def test_correctness_gate_scales_with_the_output_magnitude():
 
 
 def test_correctness_gate_catches_a_bf16_gemm_that_drops_its_bias():
-    from ttftc.autotune.tuner import _close
+    from ttftc.tuning.tuner import _close
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(64, 1536, generator=g).bfloat16(), (torch.randn(256, 1536, generator=g) * 0.05).bfloat16()
@@ -157,7 +156,7 @@ class NearlyEqualTimer:
 
 
 def test_a_gain_within_noise_keeps_the_default(toy_space, tmp_path):
-    from ttftc.autotune.tuner import MIN_GAIN
+    from ttftc.tuning.tuner import MIN_GAIN
 
     assert 0.1 / 10.0 < MIN_GAIN
     cache = AutotuneCache(tmp_path)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from ttftc.autotune.chunking import _ttftc_backend_of
 from ttftc.bench.caches import fresh_cache_dirs
 from ttftc.bench.errors import BenchInputError
 from ttftc.bench.models import ModelSource, resolve_model
 from ttftc.bench.runner import BenchSettings, _autotune_dir, plan
 from ttftc.bench.variants import autotune_cache_for_variants, bench_autotune_dir, get_variant, split_variant_list
+from ttftc.tuning.chunking import _ttftc_backend_of
 
 
 @pytest.fixture(scope="module")

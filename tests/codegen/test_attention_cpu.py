@@ -11,7 +11,7 @@ from ttftc import zoo
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu import attention as cpu_attention
 from ttftc.codegen.cpu.attention import _unsupported_reason, attention_cpu
-from ttftc.codegen.lowering import LoweringContext
+from ttftc.codegen.registry import LoweringContext
 from ttftc.ops.attention import attention
 from tests.helpers import TOLERANCES, assert_logits_match, compile_and_run, needs_transformers
 

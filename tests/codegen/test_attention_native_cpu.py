@@ -119,11 +119,13 @@ def test_bf16_needs_the_avx512_bf16_kernels(native_isa):
     if native_isa == "avx512_bf16":
         assert torch.bfloat16 in _native.attention_dtypes()
         _run(q, k, v, causal=True)
-    else:  # the lowering asks attention_dtypes() first; a direct call is refused, never run on the wrong kernel
-        with pytest.raises(ValueError, match="avx512_bf16"):
-            _native._load()[0].attention((q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr(), 0, 1, 2, 2, 20, 20,
-                                          16, 16, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *q.stride()[:3],
-                                          1, 0, 0, 32, 1, 1, 0), 0.25)
+    else:  # the lowering asks attention_dtypes() first; the operator itself refuses, never runs the wrong kernel
+        assert torch.bfloat16 not in _native.attention_dtypes()
+        out = torch.full_like(q, 7.0)
+        with pytest.raises(ValueError, match=f"bf16 attention needs the avx512_bf16 kernels; this process runs "
+                                             f"{native_isa}"):
+            torch.ops.ttftc_native.attention(q, k, v, out, None, True, 0.25, 0, 0, 32, 1, False)
+        assert bool((out == 7.0).all())
 
 
 def test_large_scores_stay_finite_and_exact():

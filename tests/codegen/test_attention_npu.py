@@ -7,7 +7,7 @@ import torch
 
 import ttftc
 from ttftc import zoo
-from ttftc.codegen.lowering import LoweringContext
+from ttftc.codegen.registry import LoweringContext
 from ttftc.codegen.npu.attention import _unsupported_reason, attention_npu
 from ttftc.ops.attention import attention
 from tests.helpers import assert_logits_match, compile_and_run, needs_transformers

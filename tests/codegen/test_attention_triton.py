@@ -14,7 +14,7 @@ import torch
 
 import ttftc
 from ttftc import zoo
-from ttftc.codegen.lowering import LoweringContext
+from ttftc.codegen.registry import LoweringContext
 from ttftc.ops.attention import attention
 from tests.helpers import TOLERANCES, assert_logits_match, compile_and_run, needs_transformers, needs_triton
 
@@ -206,10 +206,9 @@ def test_npu_runs_the_triton_kernel_only_when_forced():
 
 
 def test_npu_default_comes_from_the_triton_ascend_space():
-    from ttftc.codegen.lowering import load_providers
+    import ttftc.codegen.providers  # noqa: F401  (registers the triton-ascend space)
     from ttftc.codegen.triton.attention_ascend import ASCEND_TUNING_AXES
 
-    load_providers()
     q = torch.empty(1, 8, 512, 64, dtype=torch.bfloat16, device="meta")
     kv = torch.empty(1, 2, 512, 64, dtype=torch.bfloat16, device="meta")
     config = _triton()._npu_default(q, kv, kv, None, causal=True, scale=0.125, q_offset=0, window=0)
@@ -594,7 +593,7 @@ def test_npu_default_asks_the_npu_space_with_the_problem(monkeypatch):
     with pytest.raises(RuntimeError) as error:
         mod._npu_default(q, kv, kv, kv_len, **options)
     assert str(error.value) == ("the triton-ascend attention space is not registered: import "
-                                "ttftc.codegen.triton.attention_ascend (ttftc.codegen.lowering.load_providers does)")
+                                "ttftc.codegen.triton.attention_ascend (ttftc.codegen.providers imports it)")
 
 
 class _OnNpu:

@@ -14,7 +14,8 @@ from ttftc import zoo
 from tests.codegen.conftest import GEMM_TUNINGS, fp32_gemm_options_or_skip, record_linear_2d, switch_native
 from ttftc.codegen.cpu import ffn as cpu_ffn
 from ttftc.codegen.cpu.ffn import gated_ffn_cpu, linear_act_cpu
-from ttftc.codegen.lowering import LoweringContext, lower_graph, lowerings_for
+from ttftc.codegen.lowering import lower_graph
+from ttftc.codegen.registry import LoweringContext, lowerings_for
 from ttftc.ops.ffn import ACTIVATIONS
 
 gated_ffn, linear_act = torch.ops.ttftc.gated_ffn, torch.ops.ttftc.linear_act
@@ -110,9 +111,7 @@ def test_column_blocked_gemm_is_exact_with_and_without_bias(n_block):
 
 def test_cpu_gemm_ops_expose_the_backend_and_column_block_knobs():
     from ttftc.autotune.space import space_for
-    from ttftc.codegen.lowering import load_providers
 
-    load_providers()
     for op in ("gated_ffn", "linear_act", "norm_linear", "linear"):
         axes = space_for(op, "cpu").axes
         assert axes["n_block"] == (0, 512, 1024, 2048) and axes["gemm"] == ("onednn", "blas")

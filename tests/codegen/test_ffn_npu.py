@@ -8,7 +8,7 @@ import ttftc
 from tests.helpers import assert_logits_match, needs_transformers
 from tests.npu_standin import npu_standin  # noqa: F401  (pytest fixture)
 from ttftc import zoo
-from ttftc.codegen.lowering import LoweringContext, lowerings_for
+from ttftc.codegen.registry import LoweringContext, lowerings_for
 
 FORCED = LoweringContext("cpu", "npu")
 

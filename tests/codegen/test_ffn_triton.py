@@ -9,7 +9,7 @@ import torch
 import ttftc
 from tests.helpers import TOLERANCES, assert_logits_match, needs_transformers, needs_triton
 from ttftc import zoo
-from ttftc.codegen.lowering import LoweringContext, lowerings_for
+from ttftc.codegen.registry import LoweringContext, lowerings_for
 from ttftc.ops.ffn import ACTIVATIONS
 
 pytestmark = [needs_triton, pytest.mark.interpreter]

@@ -12,9 +12,10 @@ import torch
 import ttftc
 from tests.helpers import assert_logits_match, compile_and_run, needs_transformers
 from ttftc import zoo
-from ttftc.codegen.inductor_pass import TtftcPostGradPass, decompose_for_inductor, post_grad_pass
+from ttftc.inductor_pass import TtftcPostGradPass, decompose_for_inductor, post_grad_pass
 from ttftc.codegen.lowered_ops import NAMESPACE, lowered_op
-from ttftc.codegen.lowering import lowerings_for
+from ttftc.codegen import lowering, registry
+from ttftc.codegen.registry import lowerings_for
 
 pytestmark = needs_transformers
 
@@ -119,7 +120,7 @@ def test_decompose_for_inductor_inlines_a_cast():
 
 def test_the_pass_vllm_loads_by_name_runs_under_plain_inductor():
     """vLLM's `compilation_config.inductor_passes` hook is Inductor's `post_grad_custom_post_pass` option."""
-    module_name, _, attr = "ttftc.codegen.inductor_pass.post_grad_pass".rpartition(".")
+    module_name, _, attr = "ttftc.inductor_pass.post_grad_pass".rpartition(".")
     resolved = getattr(importlib.import_module(module_name), attr)
     assert resolved is post_grad_pass and isinstance(resolved, TtftcPostGradPass)
     assert len(resolved.uuid()) == 64 and resolved.uuid() == TtftcPostGradPass().uuid()
@@ -157,15 +158,12 @@ def test_uuid_follows_the_config():
 
 
 def test_a_decomposition_that_fails_to_inline_falls_back_to_the_kernel(monkeypatch):
-    from ttftc.codegen import lowering
-
     def broken(*args, **kwargs):
         raise RuntimeError("cannot trace this")
 
-    lowering.load_providers()
-    entries = [e for e in lowering.lowerings_for("gated_ffn") if e.provider != lowering.INLINE]
-    inline = lowering.Lowering("gated_ffn", lowering.INLINE, broken, lambda ctx, *a, **k: None, priority=100)
-    monkeypatch.setitem(lowering._LOWERINGS, "gated_ffn", [inline] + entries)
+    entries = [e for e in registry.lowerings_for("gated_ffn") if e.provider != registry.INLINE]
+    inline = registry.Lowering("gated_ffn", registry.INLINE, broken, lambda ctx, *a, **k: None, priority=100)
+    monkeypatch.setitem(registry._LOWERINGS, "gated_ffn", [inline] + entries)
 
     def fn(x, w_gate_up, w_down):
         return torch.ops.ttftc.gated_ffn(x, w_gate_up, w_down, act="silu")

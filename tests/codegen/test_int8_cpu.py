@@ -10,7 +10,7 @@ import ttftc.ops  # noqa: F401
 from tests.codegen.conftest import switch_native
 from ttftc.codegen.cpu import int8_linear as cpu
 from ttftc.codegen.cpu import norm as cpu_norm
-from ttftc.codegen.lowering import LoweringContext
+from ttftc.codegen.registry import LoweringContext
 from ttftc.ops.int8_linear import int8_linear, quantize_per_token
 from ttftc.ops.quant import gated_ffn_int8, norm_quant
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from ttftc.autotune.space import Problem, space_for
-from ttftc.autotune.timing import WallTimer
-from ttftc.autotune.tuner import tune_problem
 from ttftc.codegen.cpu import int8_linear as cpu
 from ttftc.codegen.cpu.int8_gemm_choice import (FP32, Int8GemmChoice, choose, exactness_reason, full_range_operands,
                                                 measure)
 from ttftc.ops.quant import gated_ffn_int8
 from ttftc.ops.int8_linear import int8_linear, quantize_per_token
+from ttftc.tuning.timing import WallTimer
+from ttftc.tuning.tuner import tune_problem
 
 SATURATED = "differs from the exact int32 product"
 

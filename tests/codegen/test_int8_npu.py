@@ -8,7 +8,7 @@ import ttftc
 from tests.helpers import compile_and_run, needs_transformers
 from tests.npu_standin import npu_standin  # noqa: F401  (pytest fixture)
 from ttftc import zoo
-from ttftc.codegen.lowering import LoweringContext
+from ttftc.codegen.registry import LoweringContext
 from ttftc.codegen.npu import int8_linear as npu_int8
 from ttftc.ops.int8_linear import int8_linear, quantize_per_token
 

@@ -9,7 +9,7 @@ import torch
 
 import ttftc.ops  # noqa: F401
 from tests.helpers import needs_triton
-from ttftc.codegen.lowering import LoweringContext
+from ttftc.codegen.registry import LoweringContext
 from ttftc.ops.int8_linear import int8_linear, quantize_per_token
 from ttftc.ops.quant import gated_ffn_int8
 

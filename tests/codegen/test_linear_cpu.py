@@ -14,7 +14,8 @@ from ttftc.codegen.cpu import _blas
 from ttftc.codegen.cpu._blas import (cpu_linear_reason, default_gemm, default_wide_gemm_config, gemm_options, linear_2d,
                                      onednn_reason, wide_gemm_constraint)
 from ttftc.codegen.cpu.linear import linear_cpu
-from ttftc.codegen.lowering import LoweringContext, load_providers, lowerings_for
+import ttftc.codegen.providers  # noqa: F401  (registers every lowering and search space)
+from ttftc.codegen.registry import LoweringContext, lowerings_for
 
 CPU = LoweringContext("cpu", None)
 # Against exact float64 sums of the same inputs. A bf16 result accumulated in fp32 is off by at most its one final
@@ -145,7 +146,6 @@ def test_fp16_and_tuned_entries_never_reach_onednn_where_it_cannot_run():
 
 @needs_onednn
 def test_search_space_prunes_column_blocks_for_onednn():
-    load_providers()
     space = space_for("linear", "cpu")
     problem = Problem("linear", "cpu", (TensorSpec((512, 576), torch.float32), TensorSpec((576, 576), torch.float32)), ())
     allowed, pruned = space.candidates(problem)
@@ -159,7 +159,6 @@ def test_search_space_prunes_column_blocks_for_onednn():
 
 
 def test_lowering_matches_reference_and_states_its_limits():
-    load_providers()
     x, w, b = _operands(torch.float32)
     x3 = x.view(1, 7, 12)
     exact = (x.double() @ w.double().t() + b.double()).view(1, 7, 37)

@@ -5,14 +5,14 @@ import torch
 import torch.fx as fx
 
 import ttftc.ops  # noqa: F401
-from ttftc.codegen import lowering
-from ttftc.codegen.lowering import LoweringContext, choose, lower_graph, register_lowering
+from ttftc.codegen import registry
+from ttftc.codegen.lowering import choose, lower_graph
+from ttftc.codegen.registry import LoweringContext, register_lowering
 
 
 @pytest.fixture
 def isolated_registry(monkeypatch):
-    monkeypatch.setattr(lowering, "_LOWERINGS", {})
-    monkeypatch.setattr(lowering, "_providers_loaded", True)  # no real providers: only the test's own
+    monkeypatch.setattr(registry, "_LOWERINGS", {})  # no real providers: only the test's own
 
 
 def _gated_ffn_graph():

@@ -122,18 +122,34 @@ def test_the_wrapper_checks_what_it_hands_over():
     assert _native.int8_gemm(xq[:0], packed, 10).shape == (0, 10)
 
 
-@pytest.mark.parametrize("ints, message", [
-    # (x, x_rs, packed, out, out_rs, x_scale, w_scale, bias, m, n, k, out_kind, block_m, block_nv, threads);
-    # null pointers: each call must fail on its sizes before it reads anything.
-    ((0, 1, 0, 0, 1, 0, 0, 0, 1, 1, 1, 2**40, 1, 1, 1), "out_kind"),
-    ((0, 1, 0, 0, 1, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1), "blocks"),
-    ((0, 2**62, 0, 0, 1, 0, 0, 0, 4, 1, 1, 0, 1, 1, 1), "overflow"),  # the last row of x
-    ((0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2**62, 0, 1, 1, 1), "overflow"),  # a panel's bytes
-    ((0, 0, 0, 0, 0, 0, 0, 0, 1, 1, -1, 0, 1, 1, 1), "negative"),
+def _operator_case(**changes) -> dict:
+    """Valid arguments of torch.ops.ttftc_native.int8_gemm (a dequantised fp32 [4, 10] product), some replaced."""
+    xq, w = full_range_operands(4, 12, 10)
+    args = dict(x=xq, packed=_native.pack_int8_weight(w), x_scale=torch.ones(4), w_scale=torch.ones(10), bias=None,
+                out=torch.empty(4, 10), block_rows=64, block_vecs=2, threads=1)
+    return {**args, **changes}
+
+
+# The former int-tuple entry point's overflow cases (a row stride or a depth whose byte offsets pass int64, a
+# negative depth) cannot occur through the operator: a tensor's sizes are non-negative, its strides and bytes fit its
+# storage.
+@pytest.mark.parametrize("changes, message", [
+    (dict(block_vecs=0), "blocks"),
+    (dict(block_rows=-(2**62)), "blocks"),
+    (dict(x=torch.zeros(12, 4, dtype=torch.int8).t()), "unit stride"),
+    (dict(x=torch.zeros(4, 12)), "x must be int8"),
+    (dict(packed=_native.pack_int8_weight(torch.zeros(10, 16, dtype=torch.int8))), "packed must be"),
+    (dict(packed=torch.zeros(3, 2, 8, 4, dtype=torch.int8).transpose(0, 1)), "packed must be"),
+    (dict(w_scale=torch.ones(9)), "scales"),
+    (dict(bias=torch.ones(10)[::2]), "scales"),
+    (dict(out=torch.empty(4, 10, dtype=torch.int32), x_scale=None, w_scale=None, bias=torch.ones(10)), "no bias"),
+    (dict(out=torch.empty(10, 4).t()), "out must be contiguous"),
+    (dict(out=torch.empty(3, 10)), "out must be contiguous"),
 ])
-def test_the_kernel_checks_its_own_size_arithmetic(ints, message):
+def test_the_operator_refuses_what_its_kernel_cannot_read_or_write(changes, message):
+    args = _operator_case(**changes)
     with pytest.raises(ValueError, match=message):
-        _native._load()[0].int8_gemm(ints)
+        torch.ops.ttftc_native.int8_gemm(**args)
 
 
 def test_a_weight_is_packed_once_per_process():

@@ -13,7 +13,7 @@ from tests.helpers import TOLERANCES
 from ttftc.codegen.cpu import norm as cpu_norm
 from ttftc.codegen.cpu.norm import native_norm_fits, norm_cpu
 from ttftc.codegen.cpu.norm_linear import norm_linear_cpu
-from ttftc.codegen.lowering import LoweringContext, lowerings_for
+from ttftc.codegen.registry import LoweringContext, lowerings_for
 
 norm, norm_linear = torch.ops.ttftc.norm, torch.ops.ttftc.norm_linear
 

@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import TOLERANCES
 from tests.npu_standin import npu_standin  # noqa: F401  (pytest fixture)
-from ttftc.codegen.lowering import LoweringContext, lowerings_for
+from ttftc.codegen.registry import LoweringContext, lowerings_for
 
 FORCED = LoweringContext("cpu", "npu")
 norm, norm_linear = torch.ops.ttftc.norm, torch.ops.ttftc.norm_linear

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import TOLERANCES, needs_triton
-from ttftc.codegen.lowering import LoweringContext, lowerings_for
+from ttftc.codegen.registry import LoweringContext, lowerings_for
 
 pytestmark = [needs_triton, pytest.mark.interpreter]
 

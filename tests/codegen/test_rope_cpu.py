@@ -9,7 +9,7 @@ import torch
 from tests.codegen.rope_cases import rope_inputs
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu.rope import rope_cpu, rope_reason
-from ttftc.codegen.lowering import LoweringContext
+from ttftc.codegen.registry import LoweringContext
 from ttftc.ops.rope import empty_rope_output, rotate_half_reference
 
 pytestmark = pytest.mark.skipif(_native.unavailable_reason() is not None, reason=str(_native.unavailable_reason()))

@@ -8,7 +8,7 @@ import torch
 from tests.codegen.rope_cases import rope_inputs
 from tests.helpers import TOLERANCES
 from tests.npu_standin import npu_standin  # noqa: F401  (pytest fixture)
-from ttftc.codegen.lowering import LoweringContext
+from ttftc.codegen.registry import LoweringContext
 
 FORCED = LoweringContext("cpu", "npu")
 

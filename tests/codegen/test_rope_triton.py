@@ -7,7 +7,7 @@ import torch
 
 from tests.codegen.rope_cases import rope_inputs
 from tests.helpers import needs_triton
-from ttftc.codegen.lowering import LoweringContext
+from ttftc.codegen.registry import LoweringContext
 
 pytestmark = [needs_triton, pytest.mark.interpreter]
 

@@ -19,7 +19,7 @@ import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc)
 from ttftc.capabilities import Capabilities
 from ttftc.ops.int8_linear import quantize_per_token
 from ttftc.passes import _bf16_rewrite, _module_names, _quant_patterns, _w8a8_rewrite
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes import precision as pp
 from ttftc.passes._precision_common import Casts, is_cast_to, rewire_tuple
 
@@ -1582,15 +1582,6 @@ def test_pt2e_non_patterns():
                                      QD.dequantize_per_tensor(w, 0.004, 0, -128, 127, INT8) * 1),
                [torch.zeros(6, 64)], {"w": W_Q.t().contiguous()})
     assert _match(gm) is None  # a dequantized weight under another op than t()
-
-
-def test_pt2e_without_the_decomposed_ops(monkeypatch):
-    import sys
-    monkeypatch.setitem(sys.modules, "torch.ao.quantization.fx._decomposed", None)  # the import fails
-    assert _quant_patterns._decomposed_ops() is None
-    assert _match(pt2e_gm()) is None
-    monkeypatch.undo()
-    assert _quant_patterns._decomposed_ops() is torch.ops.quantized_decomposed
 
 
 def test_is_zero():

@@ -10,7 +10,7 @@ import ttftc
 from tests.helpers import assert_logits_match, needs_transformers
 from tests.passes.ffn_norm_support import compile_capture, zoo_params
 from ttftc import zoo
-from ttftc.passes.graph_utils import op_histogram
+from ttftc.fx_utils import op_histogram
 from ttftc.passes.rope import RopePass
 
 LAYERS = 2  # the tiny zoo models

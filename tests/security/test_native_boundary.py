@@ -1,6 +1,7 @@
 """Issue 33, findings 1 and 2: the native kernels' boundary. A count that sizes memory (block_k, threads) or a tensor
 whose data is not in CPU memory (a meta tensor's data_ptr() is 0) is a ValueError in Python before any pointer is
-taken; the C++ side checks its own size arithmetic and allocations and raises MemoryError, never aborts.
+taken; the operators check every tensor again, and their own size arithmetic and allocations (torch.OutOfMemoryError),
+never abort.
 
 Before: block_k=2**61 made Scratch::reserve's int64 products wrap (`free(): invalid next size`, an abort), 2**40
 made aligned_alloc fail unchecked (a segfault), and a meta `out`, weight, residual or scale was written or read
@@ -8,6 +9,9 @@ through a null pointer.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -92,51 +96,107 @@ def test_a_meta_tensor_is_refused_before_its_null_pointer_is_taken(operand):
         META_CALLS[operand]()
 
 
-def _raw_attention_ints(q, out, **override) -> tuple:
-    """The 31 integers the C++ entry point takes (native.cpp: attention), for q = k = v, with some overridden."""
-    fields = dict(b=q.shape[0], hq=q.shape[1], hkv=q.shape[1], sq=q.shape[2], skv=q.shape[2], d=q.shape[3],
-                  dv=q.shape[3], q_offset=0, window=0, block_k=8, threads=1)
-    fields.update(override)
-    strides = (*q.stride()[:3],) * 3 + (*out.stride()[:3],)
-    return (q.data_ptr(), q.data_ptr(), q.data_ptr(), out.data_ptr(), 0, fields["b"], fields["hq"], fields["hkv"],
-            fields["sq"], fields["skv"], fields["d"], fields["dv"], *strides, 1, fields["q_offset"], fields["window"],
-            fields["block_k"], fields["threads"], 0, 0)
+# -- the operators themselves (torch.ops.ttftc_native.*), past the wrappers' checks --------------------------------
+
+ops = torch.ops.ttftc_native
+
+# The former int-tuple entry points' negative sizes (a query count of -1, a row kernel's -1 rows or -8 columns) and
+# head dims of 2**40 or 2**61 cannot reach the C++ side any more: a tensor's sizes are non-negative and its
+# unit-stride dimensions fit its storage. Its size checks, its allocation check and block_k's clamp stay reachable,
+# as below (the clamp's test is tests/codegen/cpu/test_native_ops.py::test_a_huge_block_is_clamped_to_the_keys).
+
+_OOM_PROBE = """
+import resource, torch
+from ttftc.codegen.cpu import _native
+assert _native.unavailable_reason() is None, _native.unavailable_reason()
+q = torch.randn(1, 1, 8, 16)
+keys = torch.randn(1, 1, 1, 16).expand(1, 1, _native.MAX_POSITION, 16)  # 2**24 keys, one row of memory
+out = torch.full_like(q, 7.0)
+with open("/proc/self/status") as status:
+    vm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, ((vm_kib << 10) + (256 << 20),) * 2)
+try:
+    torch.ops.ttftc_native.attention(q, keys, keys, out, None, False, 0.25, 0, 0, _native.MAX_POSITION, 1, False)
+except torch.OutOfMemoryError as exc:
+    print("refused:", "working memory of a thread cannot be allocated" in str(exc), bool((out == 7.0).all()))
+else:
+    print("ran")
+"""
 
 
-@pytest.mark.parametrize("d", [2**61, 2**40])
-def test_the_cpp_side_checks_its_own_size_arithmetic_and_allocation(d):
-    """Past the Python checks (the raw entry point): a working-memory size that overflows (2**61 x 48 floats) or
-    cannot be allocated (2**40 x 48 floats) is a MemoryError, and the kernel touches no memory."""
-    q, out = torch.randn(1, 1, 8, 16), torch.empty(1, 1, 8, 16)
-    with pytest.raises(MemoryError, match="working memory of a thread cannot be allocated"):
-        _native._load()[0].attention(_raw_attention_ints(q, out, d=d), 0.25)
+def test_the_cpp_side_checks_its_own_allocation():
+    """A block of 2**24 keys (broadcast, no memory of their own) needs gigabytes of working memory per thread, more
+    than this process may map: torch.OutOfMemoryError, the output untouched, the process alive (was an unchecked
+    aligned_alloc and a segfault)."""
+    run = subprocess.run([sys.executable, "-c", _OOM_PROBE], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["refused:", "True", "True"]
 
 
-@pytest.mark.parametrize("override, message", [
-    (dict(block_k=0), "block_k"), (dict(block_k=-(2**62)), "block_k"), (dict(hkv=0), "kv heads"),
-    (dict(sq=-1), "negative"), (dict(q_offset=-5), "negative"), (dict(threads=0), "threads"),
-    (dict(threads=2**40), "threads")])
-def test_the_cpp_side_refuses_counts_out_of_range_with_a_value_error(override, message):
-    q, out = torch.randn(1, 1, 8, 16), torch.empty(1, 1, 8, 16)
+def _attention_op(**changes):
+    q = torch.randn(1, 2, 8, 16)
+    args = dict(q=q, k=q, v=q, out=torch.empty_like(q), kv_len=None, causal=True, scale=0.25, q_offset=0, window=0,
+                block_k=8, threads=1, pack_kv=False)
+    return ops.attention(**{**args, **changes})
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(block_k=-(2**62)), "block_k"), (dict(k=torch.randn(1, 0, 8, 16), v=torch.randn(1, 0, 8, 16)), "kv heads"),
+    (dict(q_offset=-5), "positions"), (dict(window=-(2**62)), "negative"), (dict(threads=-1), "threads"),
+    (dict(threads=2**31), "threads")])
+def test_the_cpp_side_refuses_counts_out_of_range_with_a_value_error(changes, message):
     with pytest.raises(ValueError, match=message):
-        _native._load()[0].attention(_raw_attention_ints(q, out, **override), 0.25)
+        _attention_op(**changes)
 
 
-def test_the_cpp_side_clamps_a_huge_block_to_the_keys():
-    """block_k = 2**61 straight into C++: clamped to the keys, the same result as a block of all of them."""
-    q, out = torch.randn(1, 1, 8, 16), torch.empty(1, 1, 8, 16)
-    module = _native._load()[0]
-    module.attention(_raw_attention_ints(q, out, block_k=8), 0.25)
-    expected = out.clone()
-    module.attention(_raw_attention_ints(q, out, block_k=2**61), 0.25)
-    assert torch.equal(out, expected)
+@pytest.mark.parametrize("count", ["q_offset", "window", "block_k", "threads"])
+def test_no_count_past_int64_reaches_the_cpp_side(count):
+    """The schema's int is a C int64: the dispatcher refuses 2**64 before the kernel sees a wrapped value."""
+    with pytest.raises(RuntimeError, match="Expected a value of type 'int'"):
+        _attention_op(**{count: 2**64})
 
 
-@pytest.mark.parametrize("kernel, ints", [
-    ("quantize_rows", lambda x, y: (x.data_ptr(), 0, 8, y.data_ptr(), y.data_ptr(), -1, 8, 1)),
-    ("gated_act", lambda x, y: (x.data_ptr(), 8, y.data_ptr(), 4, -4, 0, 0, 1)),
-    ("dequant", lambda x, y: (x.data_ptr(), 8, y.data_ptr(), y.data_ptr(), 0, y.data_ptr(), 8, 4, -8, 0, 1))])
-def test_the_cpp_row_kernels_refuse_negative_sizes(kernel, ints):
-    x, y = torch.zeros(4, 8), torch.zeros(64)
-    with pytest.raises(ValueError, match="negative"):
-        getattr(_native._load()[0], kernel)(ints(x, y))
+_X4 = torch.randn(1, 2, 4, 8)
+_GEMM_X, _GEMM_W = torch.ones(4, 12, dtype=torch.int8), torch.ones(10, 12, dtype=torch.int8)
+# What each operator writes, (shape, dtype, call(output)): every output a kernel writes through a raw pointer.
+OUTPUTS = {
+    "quantize_rows q": ((4, 8), torch.int8, lambda o: ops.quantize_rows(_X, o, torch.empty(4), 1)),
+    "quantize_rows scale": ((4,), torch.float32,
+                            lambda o: ops.quantize_rows(_X, torch.empty(4, 8, dtype=torch.int8), o, 1)),
+    "norm out": ((4, 8), torch.float32, lambda o: ops.norm(_X, None, None, _W, None, None, None, o, False, 1e-5, 1)),
+    "norm summed": ((4, 8), torch.float32,
+                    lambda o: ops.norm(_X, _X, o, _W, None, None, None, torch.empty(4, 8), False, 1e-5, 1)),
+    "norm q": ((4, 8), torch.int8,
+               lambda o: ops.norm(_X, None, None, _W, None, o, torch.empty(4), None, False, 1e-5, 1)),
+    "gated_act out": ((4, 4), torch.float32, lambda o: ops.gated_act(_X, o, "silu", 1)),
+    "dequant out": ((4, 8), torch.float32, lambda o: ops.dequant(_ACC, torch.ones(4), _W, None, o, 1)),
+    "gated_quant q": ((4, 4), torch.int8,
+                      lambda o: ops.gated_quant(_ACC, torch.ones(4), _W, None, o, torch.empty(4), "silu", 1)),
+    "rope out": ((1, 2, 4, 8), torch.float32, lambda o: ops.rope(_X4, _X4, _X4, o, 1)),
+    "attention out": ((1, 2, 4, 8), torch.float32,
+                      lambda o: ops.attention(_X4, _X4, _X4, o, None, True, 0.25, 0, 0, 8, 1, False)),
+    "int8_gemm out": ((4, 10), torch.int32, lambda o: ops.int8_gemm(
+        _GEMM_X, _native.pack_int8_weight(_GEMM_W), None, None, None, o, 64, 2, 1)),
+}
+
+
+def _short(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """One row (or element) fewer than the kernel writes."""
+    return torch.full((*shape[:-2], shape[-2] - 1, shape[-1]) if len(shape) > 1 else (shape[0] - 1,), 7, dtype=dtype)
+
+
+def _strided(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The right shape, with its last dimension strided (its last two transposed)."""
+    return torch.full((*shape[:-2], shape[-1], shape[-2]), 7, dtype=dtype).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("output, layout", [(name, layout) for name in sorted(OUTPUTS) for layout in (_short, _strided)
+                                            if layout is _short or len(OUTPUTS[name][0]) > 1])
+def test_an_output_that_does_not_hold_what_the_kernel_writes_is_refused_untouched(output, layout):
+    """Where the former int tuples took a count apart from the buffer (and a negative one), the operators size what
+    they write from the tensors they are handed: an output too short or not laid out in rows is refused, unwritten."""
+    shape, dtype, call = OUTPUTS[output]
+    out = layout(shape, dtype)
+    with pytest.raises(ValueError):
+        call(out)
+    assert bool((out == 7).all())

@@ -1,7 +1,21 @@
-"""Ahead-of-time compilation: `ttftc compile MODEL -o DIR` writes an artifact, `ttftc.load(DIR)` serves it."""
+"""Ahead-of-time compilation: `ttftc compile MODEL -o DIR` writes an artifact, `ttftc.load(DIR)` serves it.
 
-from ttftc.aot.artifact import ArtifactError, load_artifact, read_manifest, write_artifact
-from ttftc.aot.build import build_artifact, load, rebuild_artifact
+The names below resolve on first use: loading an artifact (load.py) must not import what building one needs (the
+compiler, the model loaders, transformers), and importing any module of this package runs this file first.
+"""
 
-__all__ = ["ArtifactError", "build_artifact", "load", "load_artifact", "read_manifest", "rebuild_artifact",
-           "write_artifact"]
+from ttftc._lazy import lazy_exports
+
+_LAZY = {
+    "ArtifactError": "ttftc.aot.artifact",
+    "load_artifact": "ttftc.aot.artifact",
+    "read_manifest": "ttftc.aot.artifact",
+    "write_artifact": "ttftc.aot.artifact",
+    "build_artifact": "ttftc.aot.build",
+    "rebuild_artifact": "ttftc.aot.build",
+    "load": "ttftc.aot.load",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

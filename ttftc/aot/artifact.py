@@ -23,9 +23,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import safetensors.torch
 import torch
 
 from ttftc.aot.manifest import ARTIFACT_FORMAT, GRAPHS, MANIFEST, WEIGHTS, Manifest, graph_file, parse_manifest
+from ttftc.aot.weights import map_safetensors
+from ttftc.bucketed import BucketedModel
 from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.cache.atomic import write_json
@@ -37,6 +40,7 @@ from ttftc.source_hash import runtime_source_hash, versions
 from ttftc.codegen.cpu._allocator import keep_freed_pages
 from ttftc.cache.schema import SchemaError
 from ttftc.config import Config
+from ttftc.passes.manager import PassManager
 
 __all__ = ["ARTIFACT_FORMAT", "ArtifactError", "GRAPHS", "MANIFEST", "WEIGHTS", "load_artifact", "read_manifest",
            "write_artifact"]
@@ -79,8 +83,6 @@ def write_artifact(directory: Path | str, source, signatures: Sequence[GraphSign
     The directory is assembled under a temporary name and renamed into place, so a reader never sees half an
     artifact; an existing artifact at `directory` is replaced.
     """
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     signatures = list(dict.fromkeys(signatures))  # each graph once: the manifest lists every signature once
     plan: BucketPlan = source.plan
@@ -109,7 +111,7 @@ def write_artifact(directory: Path | str, source, signatures: Sequence[GraphSign
     shutil.rmtree(staging, ignore_errors=True)
     (staging / GRAPHS).mkdir(parents=True)
     try:
-        save_file(tensors, str(staging / WEIGHTS))
+        safetensors.torch.save_file(tensors, str(staging / WEIGHTS))
         files = {WEIGHTS: sha256_file(staging / WEIGHTS)}
         chunks = {WEIGHTS: {"bytes": CHUNK_BYTES, "sha256": chunk_digests(staging / WEIGHTS)}}
         for signature in signatures:
@@ -117,8 +119,6 @@ def write_artifact(directory: Path | str, source, signatures: Sequence[GraphSign
             write_json(staging / rel, encoded[signature.name])
             files[rel] = sha256_file(staging / rel)
         config: Config = source.config
-        from ttftc.passes.manager import PassManager
-
         manager = PassManager(config)
         manifest = {
             "format": ARTIFACT_FORMAT,
@@ -305,9 +305,6 @@ def load_artifact(directory: Path | str, *, device: Optional[str] = None, verify
 
     verify=False skips hashing the weights (the slow part); graph files are always hashed as they are read.
     """
-    from ttftc.aot.weights import map_safetensors
-    from ttftc.bucketed import BucketedModel
-
     directory = Path(directory)
     raw = read_manifest(directory)
     manifest = load_manifest(directory, raw)

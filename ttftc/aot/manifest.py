@@ -1,4 +1,5 @@
-"""The artifact manifest's schema: every field a loader or a rebuild uses, checked for its type in one place.
+"""The artifact manifest's schema: every field a loader uses, checked for its type in one place (the fields only a
+rebuild reads, the recorded source, are parsed with the rebuild, in build.py).
 
 A manifest is untrusted input: anyone who can write the artifact directory can rewrite it and recompute its
 checksums. `parse_manifest` turns the JSON object into a typed `Manifest` or raises SchemaError naming the first
@@ -12,11 +13,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 from ttftc.buckets.plan import BucketPlan
-from ttftc.buckets.program import LOGITS_MODES, GraphSignature
+from ttftc.buckets.program import GraphSignature
 from ttftc.cache.schema import (
     SHA256_HEX, SchemaError, as_bool, as_buckets, as_dict, as_int, as_list, as_str, field, optional, plan_from_json,
 )
-from ttftc.config import OVERSIZE_POLICIES, Config
+from ttftc.config import OVERSIZE_POLICIES
 
 ARTIFACT_FORMAT = 2  # 2: vocab_size recorded; the file set is exactly weights + one graph per signature
 MANIFEST = "manifest.json"
@@ -122,41 +123,4 @@ def parse_manifest(raw: Any) -> Manifest:
         on_oversize=as_str(field(config, "on_oversize", "config"), "config.on_oversize", choices=OVERSIZE_POLICIES),
         files=files,
         chunks=_chunks(raw.get("chunks", {}), "chunks"),
-    )
-
-
-class BuildRecipe(NamedTuple):
-    """How the artifact was built, from its manifest: what `rebuild_artifact` repeats."""
-
-    model: str
-    config: Config
-    attn: str
-    batch_sizes: tuple[int, ...]
-    logits: tuple[str, ...]
-    kv: bool
-
-
-def parse_recipe(raw: Any, model_name: Optional[str] = None) -> BuildRecipe:
-    """The recorded source and Config; SchemaError names the field. `model_name` overrides the recorded model."""
-    from ttftc.zoo import ATTENTION_IMPLS
-
-    source = as_dict(field(raw, "source", ""), "source")
-    model = model_name or as_str(field(source, "model", "source"), "source.model")
-    fields = dict(as_dict(field(raw, "config", ""), "config"))
-    for key in ("passes", "buckets", "quant_skip"):
-        if isinstance(fields.get(key), list):
-            fields[key] = tuple(fields[key])
-    try:
-        config = Config(**fields)
-    except (TypeError, ValueError) as exc:
-        raise SchemaError(f"field 'config' does not make a ttftc Config: {exc}"[:300]) from None
-    positive = lambda v, w: as_int(v, w, minimum=1)  # noqa: E731
-    mode = lambda v, w: as_str(v, w, choices=LOGITS_MODES)  # noqa: E731
-    return BuildRecipe(
-        model=model,
-        config=config,
-        attn=as_str(source.get("attn", "sdpa"), "source.attn", choices=ATTENTION_IMPLS),
-        batch_sizes=tuple(as_list(source.get("batch_sizes", [1]), "source.batch_sizes", positive)),
-        logits=tuple(as_list(source.get("logits", ["last"]), "source.logits", mode)),
-        kv=as_bool(source.get("kv", True), "source.kv"),
     )

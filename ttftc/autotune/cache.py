@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
+import torch
+
+import ttftc
 from ttftc.autotune.space import knob_reason
 from ttftc.confined import UnsafePathError, read_regular
 
@@ -42,12 +45,8 @@ def default_cache_dir() -> Path:
 
 
 def current_versions() -> dict[str, str]:
-    import torch
-
-    import ttftc
-
     try:
-        import triton
+        import triton  # lazy: optional; its module's version, which triton-ascend sets under another package name
 
         triton_version = triton.__version__
     except Exception:

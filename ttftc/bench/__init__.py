@@ -14,9 +14,20 @@ Modules, one concept each:
     cold_start  the fresh process that measures a first call with cold caches
     runner      the interleaved measurement loop that produces the JSON document
     report      JSON, Markdown and PNG output
+    serve_overhead  what `ttftc serve`'s HTTP layer adds to TTFT (python -m ttftc.bench.serve_overhead)
 """
 
-from ttftc.bench.errors import BenchInputError
-from ttftc.bench.runner import BenchSettings, run_bench
+from ttftc._lazy import lazy_exports
 
-__all__ = ["BenchInputError", "BenchSettings", "run_bench"]
+# Resolved on first use: `python -m ttftc.bench.cold_start` imports this package before it runs that module, and
+# a runner imported here would import cold_start first (runpy then runs a second copy); `explain` and `autotune`,
+# which use models and roofline, do not load the harness either.
+_LAZY = {
+    "BenchInputError": "ttftc.bench.errors",
+    "BenchSettings": "ttftc.bench.runner",
+    "run_bench": "ttftc.bench.runner",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ttftc.bench.variants import ttftc_spec
+from ttftc.passes.registry import pass_names
 
 ABLATION_PRECISION = "bf16"
 
@@ -22,8 +23,6 @@ class AblationStep:
 
 
 def ablation_steps() -> list[AblationStep]:
-    from ttftc.passes.registry import pass_names
-
     steps = [AblationStep("baseline", ttftc_spec(()))]
     enabled: list[str] = []
     for name in pass_names():

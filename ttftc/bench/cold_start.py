@@ -19,14 +19,15 @@ import sys
 import tempfile
 from typing import Optional
 
+import torch
+
+from ttftc.bench.caches import cache_env
+from ttftc.bench.models import ModelSource, ModelSpec, example_prompt
+from ttftc.bench.timing import time_call
+from ttftc.bench.variants import get_variant
+
 
 def _measure(model_dir: str, variant_name: str, seq: int, device: str) -> float:
-    import torch
-
-    from ttftc.bench.models import ModelSource, ModelSpec, example_prompt
-    from ttftc.bench.timing import time_call
-    from ttftc.bench.variants import get_variant
-
     source = ModelSource(ModelSpec(name=model_dir, directory=model_dir), device)
     prepared = get_variant(variant_name).build(source)
     ids = example_prompt(source.config.vocab_size, seq, device=device)
@@ -43,8 +44,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (the parent's count)")
     args = parser.parse_args(argv)
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     try:
         seconds = _measure(args.model_dir, args.variant, args.seq, args.device)
@@ -60,10 +59,6 @@ def measure_cold_first_call(
 ) -> tuple[Optional[float], Optional[str]]:
     """(seconds, None) or (None, reason), from a fresh process with empty compile caches and this process's
     thread count."""
-    import torch
-
-    from ttftc.bench.caches import cache_env
-
     with tempfile.TemporaryDirectory(prefix="ttftc-cold-") as root:
         env = {**os.environ, **cache_env(root)}
         command = [sys.executable, "-m", "ttftc.bench.cold_start", "--model-dir", model_dir, "--variant", variant,

@@ -131,7 +131,7 @@ def _tensors(model: torch.nn.Module, shape: LlamaShape) -> list[tuple[str, np.nd
 
 def write_gguf(model: torch.nn.Module, path: str, file_type: str) -> str:
     """Write `model` (a Hugging Face LlamaForCausalLM) to `path` as GGUF with matrices in `file_type`."""
-    import gguf  # the optional extra; missing_reason() has already said so when it is absent
+    import gguf  # lazy: the [llamacpp] extra; missing_reason() has said so when it is absent
 
     if file_type not in FILE_TYPES:
         raise BenchInputError(f"GGUF file type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
@@ -177,7 +177,7 @@ class LlamaCppModel:
     """A GGUF loaded into llama.cpp, called as the bench calls every variant; the prefill is all it runs."""
 
     def __init__(self, gguf_path: str, context: int, threads: int):
-        import llama_cpp  # the optional extra
+        import llama_cpp  # lazy: the [llamacpp] extra; missing_reason() has said so when it is absent
 
         self._llama_cpp = llama_cpp
         self.llama = llama_cpp.Llama(

@@ -14,6 +14,7 @@ import copy
 from typing import Any, Optional
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from ttftc.models import ModelSpec, load_model, max_positions, model_config, resolve_model
 
@@ -71,8 +72,6 @@ class ModelSource:
         """A directory a fresh process can load the same weights from: the model's own directory, or a save."""
         if not self.spec.is_preset:
             return self.spec.directory  # type: ignore[return-value]
-        from transformers.utils import logging as hf_logging
-
         bar_was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # bench draws its own bar
         try:

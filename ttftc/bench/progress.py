@@ -5,18 +5,18 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+try:
+    from tqdm import tqdm
+except ImportError:  # the [bench] extra is absent: plain status lines
+    tqdm = None
+
 
 class Progress:
     def __init__(self, total: int, *, enabled: bool = True, desc: str = "ttftc bench"):
         self.enabled = enabled
         self._bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                self._bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False)
+        if enabled and tqdm is not None:
+            self._bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False)
 
     def step(self, what: Optional[str] = None, n: int = 1) -> None:
         if self._bar is not None:

@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import math
 import os
-import tempfile
+from pathlib import Path
 from typing import Optional
 
+from ttftc.cache.atomic import write_bytes
 
-def _write_atomically(path: str, data: bytes) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):  # a failed write must not leave a half file behind
-            os.unlink(tmp)
-        raise
+
+def write_atomically(path: str, data: bytes) -> None:
+    write_bytes(Path(path), data)
 
 
 def write_json(doc: dict, path: str) -> None:
-    _write_atomically(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
+    write_atomically(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
 
 
 def _fmt(value: Optional[float], digits: int = 1) -> str:
@@ -93,7 +87,7 @@ def workload_table(doc: dict, *, markdown: bool = False) -> str:
 
 
 def write_markdown(doc: dict, path: str) -> None:
-    _write_atomically(path, markdown(doc).encode())
+    write_atomically(path, markdown(doc).encode())
 
 
 def ablation_table(doc: dict, *, markdown: bool = False) -> str:
@@ -121,13 +115,17 @@ def ablation_table(doc: dict, *, markdown: bool = False) -> str:
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [header] + rows)
 
 
+def pyplot():
+    """pyplot on Agg, the backend that only writes files (importing pyplot does not pick a backend yet)."""
+    import matplotlib.pyplot as plt  # lazy: the [bench] extra, which only --plot needs
+
+    plt.switch_backend("Agg")
+    return plt
+
+
 def write_plot(doc: dict, path: str) -> None:
     """TTFT p50 against sequence length per variant (p95 as the error bar), with each dtype's bound as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 5))
     seqs = doc["settings"]["seqs"]
     for variant in doc["settings"]["variants"]:
@@ -156,17 +154,12 @@ def write_plot(doc: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over the data
     fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
-    os.close(fd)
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png", dpi=120)
-        os.replace(tmp, path)
+        fig.savefig(png, format="png", dpi=120)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomically(path, png.getvalue())
 
 
 def summary_lines(doc: dict) -> list[str]:
@@ -188,10 +181,8 @@ def summary_lines(doc: dict) -> list[str]:
 
 
 def plot_available() -> Optional[str]:
-    """None when matplotlib can be imported, else why --plot cannot work."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    """None when matplotlib is installed, else why --plot cannot work."""
+    if importlib.util.find_spec("matplotlib") is None:
         return "--plot needs matplotlib: pip install 'ttftc[bench]'"
     return None
 

@@ -33,6 +33,8 @@ import torch
 from ttftc.codegen.cpu.int8_linear import GEMMS as INT8_GEMMS
 from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 
+from ttftc.bench.timing import time_call
+
 PEAK_DTYPES = ("fp32", "bf16", "int8")
 SLOW_GEMM_S = 1.0
 
@@ -157,8 +159,6 @@ class PeakMeter:
         return candidates
 
     def _time(self, fn, a, b) -> float:
-        from ttftc.bench.timing import time_call
-
         return time_call(fn, a, b, device=self.device)
 
     def sample(self, repeats: int = 1) -> None:

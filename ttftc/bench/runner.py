@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import importlib.metadata
 import os
 import platform
 import tempfile
@@ -32,6 +33,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+import ttftc
+from ttftc.autotune.cache import default_cache_dir
 from ttftc.capabilities import probe
 from ttftc.codegen.cpu._allocator import keep_freed_pages
 from ttftc.codegen.cpu._blas import measured_gemm_backend
@@ -40,6 +43,7 @@ from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 
 from ttftc.bench.ablation import AblationStep, ablation_steps
 from ttftc.bench.caches import fresh_cache_dirs
+from ttftc.bench.cold_start import measure_cold_first_call
 from ttftc.bench.devices import DeviceSpec, device_for_name
 from ttftc.bench.errors import BenchInputError
 from ttftc.bench.models import ModelSource, ModelSpec, example_prompt, max_positions, model_config, resolve_model
@@ -129,8 +133,6 @@ def plan(settings: BenchSettings) -> _Plan:
 
 def _autotune_dir(settings: BenchSettings) -> str:
     # Resolved before fresh_cache_dirs() moves TTFTC_CACHE_DIR, so the default is the user's cache, not an empty one.
-    from ttftc.autotune.cache import default_cache_dir
-
     return settings.autotune_cache or str(default_cache_dir())
 
 
@@ -316,8 +318,6 @@ def _measure_unseen(p: _Plan, seq: int, unseen: int, vocab: int, prepared: dict,
 
 
 def _measure_cold(p: _Plan, source: ModelSource, cells: dict, progress: Progress) -> None:
-    from ttftc.bench.cold_start import measure_cold_first_call
-
     s = p.settings
     with tempfile.TemporaryDirectory(prefix="ttftc-bench-model-") as scratch:
         model_dir = source.save(os.path.join(scratch, "model"))
@@ -377,15 +377,11 @@ def _published_device(device: str) -> Optional[DeviceSpec]:
 
 
 def _versions() -> dict[str, Optional[str]]:
-    import importlib.metadata as md
-
-    import ttftc
-
     versions: dict[str, Optional[str]] = {"ttftc": ttftc.__version__, "torch": torch.__version__, "python": platform.python_version()}
     for dist in ("transformers", "triton", "torchao"):
         try:
-            versions[dist] = md.version(dist)
-        except md.PackageNotFoundError:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
     return versions
 

@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ttftc import zoo
 from ttftc.runtime.engine import PrefillEngine
 from ttftc.runtime.prefix_cache import PrefixCache
 from ttftc.runtime.scheduler import Request, RequestRecord, StepScheduler
@@ -275,8 +276,6 @@ def _summary(name: str, result) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from ttftc import zoo
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-135m", choices=sorted(zoo.PRESETS))
     parser.add_argument("--only", choices=("shared-prefix", "chat", "mixed-arrivals"), action="append")

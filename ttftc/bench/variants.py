@@ -37,6 +37,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ttftc.autotune.cache import AutotuneCache, default_cache_dir
+from ttftc.capabilities import probe
+from ttftc.config import Config
+from ttftc.dynamo_backend import TtftcBackend
+
 from ttftc.bench import llamacpp
 from ttftc.bench.errors import BenchInputError
 from ttftc.bench.models import ModelSource, prefill
@@ -102,10 +107,11 @@ def _torchao_missing() -> Optional[str]:
 
 
 def _torchao_int8(source: ModelSource) -> Prepared:
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    from torchao import quantization  # lazy: an optional peer; the variant is skipped without it
 
     model = source.instance()
-    quantize_(model, Int8DynamicActivationInt8WeightConfig())  # replaces the copy's weights, not the shared ones
+    # Replaces the copy's weights, not the shared ones.
+    quantization.quantize_(model, quantization.Int8DynamicActivationInt8WeightConfig())
     compiled = torch.compile(model)
     return Prepared(compiled)
 
@@ -117,8 +123,6 @@ TUNED_VALUES = ("on", "off")
 
 def bench_autotune_dir() -> str:
     """The autotune cache `tuned=on` variants read: the bench's choice, else the default location."""
-    from ttftc.autotune.cache import default_cache_dir
-
     return os.environ.get(AUTOTUNE_CACHE_ENV) or str(default_cache_dir())
 
 
@@ -138,11 +142,7 @@ def autotune_cache_for_variants(directory: str) -> Iterator[None]:
 
 def _ttftc(config_kwargs: dict, attn: str = "sdpa", tuned: Optional[str] = None) -> Callable[[ModelSource], Prepared]:
     def build(source: ModelSource) -> Prepared:
-        import ttftc
-        from ttftc.autotune.cache import AutotuneCache
-        from ttftc.dynamo_backend import TtftcBackend
-
-        config = ttftc.Config(**config_kwargs, autotune=tuned != "off")
+        config = Config(**config_kwargs, autotune=tuned != "off")
         cache = AutotuneCache(bench_autotune_dir()) if tuned == "on" else None
         backend = TtftcBackend(config, autotune_cache=cache)
         compiled = torch.compile(source.instance(attn=attn), backend=backend)
@@ -167,8 +167,6 @@ def _llamacpp(file_type: str) -> Callable[[ModelSource], Prepared]:
 
 def _auto_dtype() -> str:
     """Whose GEMM peak bounds precision "auto" here: what the policy picks on this machine."""
-    from ttftc.capabilities import probe
-
     return "bf16" if probe("cuda" if torch.cuda.is_available() else "cpu").native_bf16 else "fp32"
 
 
@@ -232,10 +230,8 @@ def _parse_ttftc_spec(name: str) -> Variant:
     passes: Any = "all" if passes_text == "all" else () if passes_text == "none" else tuple(passes_text.split("+"))
     precision = fields.get("precision", "fp32")
     codegen = fields.get("codegen", "eager")
-    import ttftc
-
     try:
-        ttftc.Config(passes=passes, precision=precision, codegen=codegen)  # validates every field
+        Config(passes=passes, precision=precision, codegen=codegen)  # validates every field
     except ValueError as exc:
         raise BenchInputError(f"variant {name!r}: {exc}") from None
     attn = fields.get("attn", "sdpa")

@@ -15,31 +15,12 @@ import torch
 from ttftc.buckets.capture import PrefillAdapter, analyse_padding, capture_graph
 from ttftc.buckets.program import GraphProgram, GraphSignature, output_names
 from ttftc.buckets.constants import ConstantPool
+from ttftc.buckets.model_info import max_positions_of, vocab_size_of
 from ttftc.buckets.plan import BucketPlan
 from ttftc.buckets.table import DEFAULT_BUCKETS, effective_buckets
 from ttftc.config import Config
+from ttftc import dynamo_backend
 from ttftc.report import Report
-
-
-def max_positions_of(model: torch.nn.Module) -> Optional[int]:
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def vocab_size_of(model: torch.nn.Module) -> Optional[int]:
-    """The number of rows of the model's token embedding: every valid token id is below it."""
-    get_embeddings = getattr(model, "get_input_embeddings", None)
-    embeddings = get_embeddings() if callable(get_embeddings) else None
-    if isinstance(embeddings, torch.nn.Embedding):
-        return embeddings.num_embeddings
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    value = getattr(text, "vocab_size", None)
-    return value if isinstance(value, int) and value > 0 else None
 
 
 def model_device(model: torch.nn.Module, config: Config) -> torch.device:
@@ -55,9 +36,8 @@ def named_outputs(flat) -> dict[str, torch.Tensor]:
 
 def dynamic_runner(model: torch.nn.Module, config: Config, logits: str, kv: bool) -> Callable[[dict], dict]:
     """The model compiled by ttftc with dynamic shapes (through Dynamo): the path for prompts with no bucket."""
-    from ttftc.dynamo_backend import TtftcBackend
-
-    compiled = torch.compile(PrefillAdapter(model, logits=logits, kv=kv), backend=TtftcBackend(config), dynamic=True)
+    compiled = torch.compile(PrefillAdapter(model, logits=logits, kv=kv), backend=dynamo_backend.TtftcBackend(config),
+                             dynamic=True)
 
     def run(tensors: dict) -> dict:
         return named_outputs(compiled(**tensors))

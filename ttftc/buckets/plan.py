@@ -37,7 +37,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from ttftc.ops.registry import op_name_of
 from ttftc.passes._attention_mask import MaskEvaluator, Select, Unprovable, hides, prove_mask, same_size
-from ttftc.passes.graph_utils import bound_arguments, op_label
+from ttftc.fx_utils import bound_arguments, op_label
 
 aten = torch.ops.aten
 

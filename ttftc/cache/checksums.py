@@ -1,8 +1,9 @@
 """sha256 checksums of artifact files, whole and in chunks.
 
 The manifest keeps each file's whole sha256 (what `sha256sum` prints) and, for large files, the sha256 of
-each fixed-size chunk. Chunks verify in parallel threads (hashlib releases the GIL on large buffers), which
-halves the check of a 600 MB weights file on two cores without weakening it: every byte is still hashed.
+each fixed-size chunk. Chunks verify in parallel threads (hashlib releases the GIL on large buffers), so a large
+weights file checks faster on several cores (benchmarks/README.md, start-up) without weakening the check: every
+byte is still hashed.
 """
 
 from __future__ import annotations

@@ -32,7 +32,10 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
+import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc.*, which stored graphs call)
 from ttftc.autotune.space import knob_reason, tuning_axes
+from ttftc.codegen.registry import lowerings_for
+from ttftc.ops.registry import all_ops, get_op
 
 OP_NAMESPACES = ("aten", "ttftc")
 GETITEM = "_operator:getitem"
@@ -47,7 +50,8 @@ class GraphFormatError(ValueError):
     """A graph cannot be saved (an unsupported target or argument) or a saved graph cannot be read."""
 
 
-# Records are NamedTuples: a frozen dataclass costs ~0.8 ms to define, and loading an artifact imports this module.
+# Records are NamedTuples: a frozen dataclass is slow to define (benchmarks/README.md, start-up), and loading an
+# artifact imports this module.
 class Ref:
     """A reference to an earlier node, by its name in the file (not a tuple: arguments hold real tuples)."""
 
@@ -119,8 +123,6 @@ def _resolve_op(name: str) -> Callee:
         raise GraphFormatError(f"op {name!r} is not an {' or '.join(OP_NAMESPACES)} op name like aten::neg.default")
     if namespace == "aten" and _refused_aten(opname):
         raise GraphFormatError(f"op {name} is refused: it reads files, prints, or skips bounds checks")
-    if namespace == "ttftc":
-        import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc.*)
     try:
         op = getattr(getattr(getattr(torch.ops, namespace), opname), overload)
     except (AttributeError, RuntimeError):
@@ -134,15 +136,12 @@ def _resolve_op(name: str) -> Callee:
 
 @functools.lru_cache(maxsize=None)
 def _provider_modules(package: str) -> frozenset[str]:
-    """The lowering modules of one provider package (those `load_providers` imports)."""
+    """The lowering modules of one provider package (those ttftc/codegen/providers.py imports)."""
     path = importlib.import_module(f"ttftc.codegen.{package}").__path__
     return frozenset(info.name for info in pkgutil.iter_modules(path) if not info.name.startswith("_"))
 
 
 def _registered_lowerings() -> dict[str, Any]:
-    from ttftc.codegen.lowering import lowerings_for
-    from ttftc.ops.registry import all_ops
-
     return {f"{lowering.impl.__module__}:{lowering.impl.__qualname__}": lowering
             for op in all_ops() for lowering in lowerings_for(op)}
 
@@ -175,8 +174,6 @@ def _resolve_function(name: str) -> Callee:
     lowering = _registered_lowerings().get(name)
     if lowering is None:
         raise GraphFormatError(f"function {name} is not a registered ttftc lowering")
-    from ttftc.ops.registry import get_op
-
     schema = get_op(lowering.op).overload._schema
     accepted = _accepted_keywords(lowering.impl)
     missing = sorted({a.name for a in schema.arguments} - accepted)

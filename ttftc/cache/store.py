@@ -25,8 +25,11 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+import safetensors.torch
 import torch
 
+from ttftc.autotune.cache import AutotuneCache
+from ttftc.buckets.model_info import vocab_size_of
 from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.cache.atomic import atomic_path, write_json
@@ -36,6 +39,7 @@ from ttftc.cache.schema import SHA256_HEX, as_str, field, plan_from_json
 from ttftc.cache.keys import combine, device_description, model_fingerprint, tensor_hash
 from ttftc.source_hash import ttftc_source_hash, versions
 from ttftc.config import Config
+from ttftc.passes.manager import PassManager
 
 CACHE_ENV = "TTFTC_COMPILE_CACHE"  # the compile cache directory itself, or "off"
 ROOT_ENV = "TTFTC_CACHE_DIR"  # ttftc's cache root (shared with the autotune cache); compile/ below it
@@ -85,14 +89,10 @@ class CompileCache:
         }
 
     def graph_key(self, model, config: Config, signature: GraphSignature, device: torch.device) -> str:
-        from ttftc.passes.manager import PassManager
-
         parts = {**self._common(model, device), "signature": signature.to_dict(),
                  "config": config.digest(), "passes": PassManager(config).uuid()}
         if config.autotune:
             # Lowering bakes tuned configs into the graph, so a retune must not hit graphs built before it.
-            from ttftc.autotune.cache import AutotuneCache
-
             parts["autotune"] = AutotuneCache().content_digest()
         return combine(parts)
 
@@ -117,8 +117,6 @@ class CompileCache:
     # -- graphs ------------------------------------------------------------------------------------------
     def load_graph(self, model, config: Config, signature: GraphSignature,
                    device: torch.device) -> Optional[GraphProgram]:
-        from ttftc.buckets.compiled import vocab_size_of  # its caller's module, which imports the capture machinery
-
         path = self._entry("entries", self.graph_key(model, config, signature, device))
         if path is None or not os.path.lexists(path):
             self.misses += 1
@@ -178,24 +176,20 @@ class CompileCache:
         return held[1]
 
     def _store_blob(self, t: torch.Tensor) -> str:
-        from safetensors.torch import save_file
-
         key = self._hash(t)
         path = self._path("blobs", key, ".safetensors", SHA256_HEX)
         if not os.path.lexists(path):
             with atomic_path(path) as tmp:
-                save_file({"t": t.detach().contiguous().cpu()}, str(tmp))
+                safetensors.torch.save_file({"t": t.detach().contiguous().cpu()}, str(tmp))
         return key
 
     def _load_blob(self, key: str, device: torch.device) -> torch.Tensor:
-        from safetensors.torch import load_file
-
         cached = self._blobs.get(key)
         if cached is not None:
             return cached
         path = self._path("blobs", key, ".safetensors", SHA256_HEX)  # before the key touches the filesystem
         try:
-            tensor = load_file(str(regular_file(path)), device=str(device))["t"]
+            tensor = safetensors.torch.load_file(str(regular_file(path)), device=str(device))["t"]
             if tensor_hash(tensor) != key:
                 raise ValueError(f"constant {path.name} does not match its checksum")
         except Exception:

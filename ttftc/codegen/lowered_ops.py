@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from ttftc.codegen.lowering import Lowering
+from ttftc.codegen.providers import all_lowerings
+from ttftc.codegen.registry import Lowering
 from ttftc.ops.registry import get_op
 
 NAMESPACE = "ttftc_impl"
@@ -92,7 +93,5 @@ def lowered_op(lowering: Lowering) -> torch._ops.OpOverload:
 def define_all() -> None:
     """Define the op of every registered lowering now. Code that Inductor loads from its cache calls these ops by
     name without running the pass that would otherwise define them on first use."""
-    from ttftc.codegen.lowering import all_lowerings
-
     for entry in all_lowerings():
         lowered_op(entry)

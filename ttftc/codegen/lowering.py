@@ -1,126 +1,27 @@
 """Lowering: each ttftc op node gets the first capable provider for its device.
 
-A provider registers an implementation for an op with a capability check. The check looks only at metadata
-(FakeTensors from `node.meta["val"]`, scalars) and returns None when capable or a short reason when not; it never
-raises. That makes fallback structural, as in Thunder's executors: an incapable provider is skipped, and the torch
-reference (the op's own body) always remains.
-
-Provider modules live in ttftc/codegen/<provider>/ and register themselves on import; `load_providers` imports
-the ones PROVIDER_MODULES lists, and nothing else (kernel tooling such as codegen/triton/tools/ stays out of a
-compile). A provider whose library is missing (no triton, no torch_npu) simply registers nothing or reports
-itself incapable.
+The providers and their capability checks are registered in codegen/registry.py; importing codegen/providers.py
+registers all of them. This module chooses among them, node by node, and retargets the node to the choice (a
+Python function for the eager code generator, the lowering's own custom op for Inductor, codegen/lowered_ops.py).
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
+import ttftc.codegen.providers  # noqa: F401  (registers every provider's lowerings)
+from ttftc.autotune.cache import AutotuneCache
+from ttftc.autotune.keys import key_for
+from ttftc.autotune.space import Problem, space_for, tuning_axes
+from ttftc.codegen.lowered_ops import TUNING_ARG, encode_tuning, lowered_op
+from ttftc.codegen.registry import INLINE, REFERENCE, Lowering, LoweringContext, lowerings_for
 from ttftc.codegen.tuned_per_shape import TunedPerShape
-from ttftc.ops.registry import get_op, op_name_of
-from ttftc.passes.graph_utils import inline_function, refresh_meta
-
-PROVIDER_PACKAGES = ("inductor", "triton", "npu", "cpu")
-# Every module that registers a lowering or a lowering's search space, grouped by provider in PROVIDER_PACKAGES
-# order: among lowerings of one op with equal priority the one registered first is chosen (triton's rope and
-# attention before npu's), so this order is part of the choice. A new provider module is listed here.
-PROVIDER_MODULES = (
-    "ttftc.codegen.inductor.ffn", "ttftc.codegen.inductor.int8_linear", "ttftc.codegen.inductor.norm",
-    "ttftc.codegen.inductor.rope",
-    "ttftc.codegen.triton.attention", "ttftc.codegen.triton.attention_ascend", "ttftc.codegen.triton.ffn",
-    "ttftc.codegen.triton.int8_linear", "ttftc.codegen.triton.norm", "ttftc.codegen.triton.norm_linear",
-    "ttftc.codegen.triton.rope",
-    "ttftc.codegen.npu.attention", "ttftc.codegen.npu.ffn", "ttftc.codegen.npu.int8_linear", "ttftc.codegen.npu.norm",
-    "ttftc.codegen.npu.norm_linear", "ttftc.codegen.npu.rope",
-    "ttftc.codegen.cpu.attention", "ttftc.codegen.cpu.ffn", "ttftc.codegen.cpu.int8_linear", "ttftc.codegen.cpu.linear",
-    "ttftc.codegen.cpu.norm", "ttftc.codegen.cpu.norm_linear", "ttftc.codegen.cpu.rope",
-)
-REFERENCE = "reference"
-# The provider whose lowerings are decompositions, inlined into the graph for Inductor (codegen/inductor/).
-INLINE = "inductor"
-
-
-@dataclass(frozen=True)
-class LoweringContext:
-    device_type: str  # "cpu" | "cuda" | "npu" | ...
-    forced_provider: Optional[str]  # None under provider="auto"
-    codegen: str = "eager"  # the code generator the graph goes to: "eager" | "inductor"
-
-    @property
-    def triton_interpret(self) -> bool:
-        return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@dataclass(frozen=True)
-class Lowering:
-    op: str
-    provider: str
-    impl: Callable[..., Any]
-    # (ctx, *args, **kwargs) with FakeTensors for tensors -> None if capable, else the reason it is not.
-    unsupported_reason: Callable[..., Optional[str]]
-    priority: int = 0
-    # Optional compile-time step: may rewrite the node's arguments (e.g. pre-pack a constant weight).
-    prepare: Optional[Callable[[fx.GraphModule, fx.Node], None]] = None
-    # The meta implementation of this lowering's outputs when their layout is not the op's (contiguous) one;
-    # code generators that plan buffers from metadata (Inductor) need the layout the kernel really returns.
-    fake: Optional[Callable[..., Any]] = None
-
-
-_LOWERINGS: dict[str, list[Lowering]] = {}
-
-
-def register_lowering(
-    op: str,
-    provider: str,
-    *,
-    unsupported_reason: Callable[..., Optional[str]],
-    priority: int = 0,
-    prepare: Optional[Callable[[fx.GraphModule, fx.Node], None]] = None,
-    fake: Optional[Callable[..., Any]] = None,
-):
-    """Decorator for a provider implementation of ttftc op `op`."""
-    get_op(op)  # fail at import time on a typo, not at compile time
-
-    def wrap(impl: Callable) -> Callable:
-        entry = Lowering(op, provider, impl, unsupported_reason, priority, prepare, fake)
-        entries = [e for e in _LOWERINGS.get(op, []) if e.provider != provider]
-        entries.append(entry)
-        entries.sort(key=lambda e: -e.priority)
-        _LOWERINGS[op] = entries
-        return impl
-
-    return wrap
-
-
-def lowerings_for(op: str) -> list[Lowering]:
-    return list(_LOWERINGS.get(op, []))
-
-
-def all_lowerings() -> list[Lowering]:
-    """Every registered lowering of every op (providers loaded first)."""
-    load_providers()
-    return [entry for entries in _LOWERINGS.values() for entry in entries]
-
-
-_providers_loaded = False
-
-
-def load_providers() -> None:
-    """Import every provider module once, so their lowerings are registered.
-
-    By name, on the first compile: the provider modules import this one (register_lowering), and a serving
-    process that loads an artifact never pays for the providers it does not run."""
-    global _providers_loaded
-    if _providers_loaded:
-        return
-    for module in PROVIDER_MODULES:
-        importlib.import_module(module)
-    _providers_loaded = True
+from ttftc.fx_utils import inline_function, refresh_meta
+from ttftc.ops.registry import op_name_of
 
 
 def _meta(arg):
@@ -164,24 +65,16 @@ def choose(op: str, ctx: LoweringContext, args, kwargs, exclude: tuple[str, ...]
 
 
 def _tunable(op: str, provider: str, node: fx.Node) -> bool:
-    from ttftc.autotune.space import space_for
-
     return space_for(op, provider, _node_device_type(node)) is not None
 
 
 def _is_static(node: fx.Node) -> bool:
-    from ttftc.autotune.space import Problem
-
     return Problem.is_static(_meta(node.args), _meta(node.kwargs))
 
 
 def _tuned_config(op: str, provider: str, node: fx.Node, cache=None) -> Optional[dict]:
     """The autotuned config for this op instance from the persistent cache (`cache`, else the default autotune
     cache), if `ttftc autotune` stored one. Only for static shapes (see codegen/tuned_per_shape.py)."""
-    from ttftc.autotune.cache import AutotuneCache
-    from ttftc.autotune.keys import key_for
-    from ttftc.autotune.space import Problem, tuning_axes
-
     device_type = _node_device_type(node)
     if not _tunable(op, provider, node) or not _is_static(node):
         return None
@@ -205,7 +98,6 @@ def lower_graph(gm: fx.GraphModule, *, provider: str, autotune: bool = True,
     argument and the node's metadata recomputed from that op's fake; a lowering of the INLINE provider is instead
     inlined as the graph of its decomposition, whose own ttftc ops are then lowered in turn.
     """
-    load_providers()
     forced = None if provider == "auto" else provider
     codegen = "inductor" if as_ops else "eager"
     decisions = []
@@ -267,8 +159,6 @@ def _inline(gm: fx.GraphModule, node: fx.Node, chosen: Lowering) -> list[fx.Node
 
 
 def _retarget_to_lowered_op(gm: fx.GraphModule, node: fx.Node, chosen: Lowering) -> None:
-    from ttftc.codegen.lowered_ops import TUNING_ARG, encode_tuning, lowered_op  # it imports this module
-
     node.target = lowered_op(chosen)
     tuning = encode_tuning(node.meta.pop("ttftc_tuning", None))
     if tuning:

@@ -11,6 +11,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ttftc.autotune.cache import AutotuneCache
+from ttftc.autotune.keys import key_for
+from ttftc.autotune.space import Problem, tuning_axes
+
 _UNSEEN = object()
 
 
@@ -33,10 +37,6 @@ class TunedPerShape:
         return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
     def _config_for(self, args, kwargs) -> Optional[dict]:
-        from ttftc.autotune.cache import AutotuneCache
-        from ttftc.autotune.keys import key_for
-        from ttftc.autotune.space import Problem, tuning_axes
-
         signature = self._signature(args, kwargs)
         config = self.configs.get(signature, _UNSEEN)
         if config is _UNSEEN:

@@ -1,4 +1,5 @@
-"""The subcommands of the `ttftc` command line, one module each (see ttftc/cli.py for the protocol)."""
+"""The subcommands of the `ttftc` command line: per subcommand a light parser module and its run module (see
+ttftc/cli.py for the protocol). This package imports nothing: every parser module imports it."""
 
 
 class UsageError(Exception):

@@ -63,6 +63,9 @@ def add_parser(subparsers) -> None:
                    help="with --long-prompt-len: another long prompt every S seconds after the first, while arrivals "
                    "last (default 0: one per run), so the short requests' p95 rests on more than two or three of "
                    "them meeting one")
+    p.add_argument("--long-priority", type=int, default=None, metavar="P",
+                   help="with --long-prompt-len: send the long prompts with request priority P (lower runs sooner; "
+                   "default: no priority field, so they run as the short ones do)")
     p.add_argument("--slo-ttft-ms", type=seconds, default=700.0, help="the TTFT SLO of goodput (default 700)")
     p.add_argument("--model", help="model name (default: the first the server lists)")
     p.add_argument("--header", type=_header, action="append", default=[], metavar="NAME:VALUE",
@@ -76,56 +79,4 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--md", metavar="PATH", help="write the report as Markdown")
     p.add_argument("--plot", metavar="PATH.png", help="write TTFT over time and the latency CDF as a PNG")
-    p.set_defaults(run=run)
-
-
-def run(args) -> int:
-    import asyncio
-    import dataclasses
-    import sys
-
-    from ttftc.commands import UsageError
-    from ttftc.serve import loadtest_report as report
-    from ttftc.serve.loadtest import LoadSpec, run_load
-
-    if args.plot:
-        from ttftc.bench.report import plot_available
-
-        if not args.plot.lower().endswith(".png"):
-            raise UsageError(f"--plot {args.plot!r}: the plot is a PNG, give a path ending in .png")
-        missing = plot_available()
-        if missing:
-            raise UsageError(missing)
-    for url in (args.url, args.compare):
-        if url is not None and not url.startswith(("http://", "https://")):
-            raise UsageError(f"URL {url!r} must start with http:// or https://")
-    if args.compare and args.plot:
-        raise UsageError("--plot draws one run; leave it out with --compare (or run each URL on its own)")
-    try:
-        spec = LoadSpec(url=args.url, rate=args.rate, duration_s=args.duration, prompt_len=args.prompt_len,
-                        shared_prefix=args.shared_prefix, max_tokens=args.max_tokens, concurrency=args.concurrency,
-                        slo_ttft_ms=args.slo_ttft_ms, long_prompt_len=args.long_prompt_len,
-                        long_every_s=args.long_every, model=args.model,
-                        headers=tuple(args.header), seed=args.seed, request_timeout_s=args.request_timeout)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    docs = []
-    for url in (args.url,) + ((args.compare,) if args.compare else ()):
-        try:
-            docs.append(asyncio.run(run_load(dataclasses.replace(spec, url=url))))
-        except Exception as exc:  # the server is down, or lists no such model
-            raise UsageError(f"{url}: {type(exc).__name__}: {exc}") from None
-        print("\n".join(report.summary_lines(docs[-1])))
-    if len(docs) == 2:
-        print("\n".join(report.comparison_lines(*docs)))
-        combined = {"schema": "ttftc-loadtest-compare/1", "runs": docs}
-        outputs = ((args.json, lambda _, path: report.write_json(combined, path)),
-                   (args.md, lambda _, path: report.write_comparison_markdown(docs, path)))
-    else:
-        outputs = ((args.json, report.write_json), (args.md, report.write_markdown), (args.plot, report.write_plot))
-    for path, write in outputs:
-        if path:
-            write(docs[0], path)
-            print(f"wrote {path}", file=sys.stderr)
-    # a server that answered (served or refused with 429) was measured; one that answered nothing was not
-    return 0 if all(doc["summary"]["completed"] + doc["summary"]["rejected"] for doc in docs) else 1
+    p.set_defaults(run_module="ttftc.commands.loadtest_run")

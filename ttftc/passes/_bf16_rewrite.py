@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes._precision_common import FLOATS, Casts, is_cast_to, rewire_tuple
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 
 aten = torch.ops.aten
 

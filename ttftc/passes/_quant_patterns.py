@@ -14,22 +14,15 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the quantized_decomposed ops PT2E emits)
 import torch.fx as fx
 
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes._linear import up_row_views
 from ttftc.passes._precision_common import FLOATS, is_cast_to
 
 aten = torch.ops.aten
 ttftc_ops = torch.ops.ttftc
-
-
-def _decomposed_ops():
-    try:
-        import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed ops)
-    except Exception:
-        return None
-    return torch.ops.quantized_decomposed
 
 
 def _is_zero(gm: fx.GraphModule, value: Any) -> bool:
@@ -46,9 +39,7 @@ def match_pt2e_linear(gm: fx.GraphModule, node: fx.Node) -> Optional[dict]:
 
     Returns the pieces, with "refusal" set when the pattern is there but int8_linear cannot express it.
     """
-    qd = _decomposed_ops()
-    if qd is None:
-        return None
+    qd = torch.ops.quantized_decomposed
     bias = node.args[0] if node.target is aten.addmm.default else None
     x, w = (node.args[1], node.args[2]) if bias is not None else (node.args[0], node.args[1])
     x_dq, x_chain = up_row_views(x)

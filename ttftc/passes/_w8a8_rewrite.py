@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ttftc.ops.int8_linear import quantize_per_token
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes._linear import up_row_views
 from ttftc.passes._precision_common import FLOATS, Casts, rewire_tuple
 

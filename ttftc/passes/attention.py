@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ttftc.ops.attention import attention as attention_op
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes._attention_mask import (
     MaskEvaluator,
     MaskSpec,

@@ -92,10 +92,10 @@ class GraphPass(ABC):
 
 @functools.cache
 def _shared_helpers_hash() -> str:
-    """Passes build on shared helper modules (graph_utils and the `_`-prefixed matchers and rewrites), whose
+    """Passes build on shared helper modules (ttftc/fx_utils.py and the `_`-prefixed matchers and rewrites), whose
     source decides what a pass emits as much as the pass's own module does."""
     package = Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted([package / "graph_utils.py", *package.glob("_*.py")]):
+    for path in sorted([package.parent / "fx_utils.py", *package.glob("_*.py")]):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()

@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes._linear import LinearMatch, copy_provenance, match_linear
 from ttftc.passes.base import GraphPass
 

@@ -9,14 +9,14 @@ import torch.fx as fx
 
 from ttftc.config import Config
 from ttftc.passes.base import GraphPass, PassStats
-from ttftc.passes.graph_utils import copy_graph
-from ttftc.passes.registry import pass_classes
+from ttftc.fx_utils import copy_graph
+from ttftc.passes.registry import enabled_passes, pass_classes
 
 
 class PassManager:
     def __init__(self, config: Config):
         self.config = config
-        enabled = set(config.enabled_passes())
+        enabled = set(enabled_passes(config))
         self.passes: list[GraphPass] = [cls(config) for cls in pass_classes() if cls.name in enabled]
 
     def uuid(self) -> str:

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from ttftc.passes import _linear
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes._linear import (
     LinearMatch,
     copy_provenance,

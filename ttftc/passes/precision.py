@@ -38,8 +38,9 @@ import torch
 import torch.fx as fx
 
 from ttftc.capabilities import Capabilities, measured_bf16_speedup, probe
+from ttftc.codegen.npu import _torch_npu
 from ttftc.passes import _bf16_rewrite, _w8a8_rewrite
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes._linear import match_linear
 from ttftc.passes._module_names import describe, node_module_names
 from ttftc.passes._precision_common import FLOATS, Casts
@@ -65,8 +66,6 @@ def int8_unavailable_reason(device_type: str) -> Optional[str]:
     if device_type in ("cpu", "cuda"):
         return None if hasattr(torch, "_int_mm") else "this torch has no torch._int_mm"
     if device_type == "npu":
-        from ttftc.codegen.npu import _torch_npu
-
         return _torch_npu.unavailable_reason()
     return f"no int8 GEMM lowering for device {device_type!r}"
 

@@ -3,6 +3,7 @@ runs. A module in ttftc/passes/ is a pass because it is listed here, not because
 
 from __future__ import annotations
 
+from ttftc.config import PASS_NAMES, Config
 from ttftc.passes.attention import AttentionPass
 from ttftc.passes.ffn import FfnPass
 from ttftc.passes.kv_inplace import KvInplacePass
@@ -24,6 +25,9 @@ def _check(pipeline: tuple[type, ...]) -> None:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"two passes share the name {duplicates[0]!r}")
+    if tuple(names) != PASS_NAMES:
+        raise ValueError(f"the pipeline's pass names {tuple(names)!r} differ from ttftc.config.PASS_NAMES "
+                         f"{PASS_NAMES!r}, which validates Config.passes: keep the two in the same order")
 
 
 _check(PIPELINE)
@@ -35,3 +39,10 @@ def pass_classes() -> list[type]:
 
 def pass_names() -> tuple[str, ...]:
     return tuple(cls.name for cls in PIPELINE)
+
+
+def enabled_passes(config: Config) -> tuple[str, ...]:
+    """The passes `config` runs, in pipeline order whatever order Config.passes gives them in."""
+    if config.passes == "all":
+        return pass_names()
+    return tuple(n for n in pass_names() if n in config.passes)

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from ttftc.ops.rope import rope_output_strides, rope_shape_reason
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes.base import GraphPass
 
 aten = torch.ops.aten

@@ -14,16 +14,24 @@ How long a chunk is comes from the caller: a fixed size, or a `ChunkTable` of si
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Mapping, Optional, Sequence
+from typing import Hashable, Mapping, Optional, Protocol, Sequence
 
 import torch
 
 from ttftc.runtime.kv import KVHandle, block_payload, cache_from_blocks, cache_from_layers, full_kv_layers, reserve
-from ttftc.runtime.prefix_cache import CacheLease
+from ttftc.runtime.prefix_cache import CacheLease, PrefixCache
 from ttftc.runtime.sampling import Sampling
 
-if TYPE_CHECKING:
-    from ttftc.runtime.engine import PrefillEngine
+
+class JobEngine(Protocol):
+    """What a PrefillJob needs of the engine that runs it (runtime/engine.py's PrefillEngine): the model on the KV
+    path, the prefix cache, and one forward of tokens appended to a KV cache. Named here, below the engine, so that
+    this module does not import the engine that imports it."""
+
+    model: torch.nn.Module
+    prefix_cache: Optional[PrefixCache]
+
+    def _forward(self, ids: Sequence[int], kv_cache, start: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ class FirstToken:
 class PrefillJob:
     """Prefill state of one request. Create it with `PrefillEngine.start` (new prompt) or `.start_extend`."""
 
-    def __init__(self, engine: "PrefillEngine", token_ids: list[int], *, tenant: Hashable, sampling: Sampling,
+    def __init__(self, engine: JobEngine, token_ids: list[int], *, tenant: Hashable, sampling: Sampling,
                  handle: Optional[KVHandle] = None):
         self.engine = engine
         self.token_ids = token_ids

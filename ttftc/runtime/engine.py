@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Hashable, Optional, Sequence, Union
+import threading
+from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,14 @@ class PrefillEngine:
         self.prefill_batch_tokens = prefill_batch_tokens
         self.prefix_cache = prefix_cache
         self.batched_decode = bool(batched_decode)
+        # Bucket -> batch sizes whose graphs are ready, while a background compile (runtime/background.py) still
+        # works; None: every graph of prefill_model may be used (compiled now, or on first use). Replaced whole,
+        # never mutated, so the engine thread reads one consistent table.
+        self.ready_batches: Optional[Mapping[int, tuple[int, ...]]] = None
+        # Held while the model's attention implementation is switched for a ragged decode, and by a thread that
+        # traces the same model (a background compile), which must not read the switched value.
+        self.attention_lock = threading.Lock()
+        self.bucketed_prompts = 0  # prompts whose first stretch ran in a bucketed graph
         if prefix_cache is not None:
             prefix_cache.bind(self.geometry.block_bytes(prefix_cache.block_size), owner=unwrap_model(model))
 
@@ -177,9 +186,27 @@ class PrefillEngine:
     def bucket_for(self, job: PrefillJob, n_tokens: int) -> Optional[int]:
         """The bucket `job`'s next `n_tokens` run in on the bucketed path, or None when they take the KV path
         (no bucketed model, KV already there, or longer than the largest bucket)."""
-        if self.prefill_model is None or not job.cold or n_tokens < 1:
+        prefill_model = self.prefill_model
+        if prefill_model is None or not job.cold or n_tokens < 1:
             return None
-        return bucket_for(n_tokens, self.prefill_model.buckets)
+        bucket = bucket_for(n_tokens, prefill_model.buckets)
+        ready = self.ready_batches
+        if bucket is not None and ready is not None and bucket not in ready:
+            return None  # its graph is still compiling: the KV path serves it meanwhile
+        return bucket
+
+    def use_bucket_graphs(self, prefill_model, ready: Mapping[int, Sequence[int]]) -> None:
+        """From now on run cold prompts of the buckets in `ready` (bucket -> batch sizes whose graphs are compiled,
+        1 among them) in `prefill_model`; other buckets stay on the KV path. Any thread; the engine thread sees the
+        change at its next dispatch."""
+        if not prefill_model.plan.safe:
+            raise ValueError(
+                f"the bucketed prefill model cannot pad this model's prompts ({prefill_model.plan.reason})")
+        if any(1 not in sizes for sizes in ready.values()):
+            raise ValueError("every ready bucket needs its batch-1 graph")
+        self.ready_batches = {int(b): tuple(sorted({int(s) for s in sizes}, reverse=True)) for b, sizes in
+                              ready.items()}
+        self.prefill_model = prefill_model  # after the table: a dispatch that sees the model sees its table
 
     def prefill_together(self, work: Sequence[tuple[PrefillJob, int]], *,
                          publish: bool = True) -> list[Optional[FirstToken]]:
@@ -201,6 +228,12 @@ class PrefillEngine:
 
     def batch_sizes_for(self, bucket: int) -> tuple[int, ...]:
         """The batch sizes a shared forward of `bucket` runs with (largest first; always ending with 1)."""
+        ready = self.ready_batches
+        usable = self.planned_batch_sizes(bucket)
+        return usable if ready is None else tuple(b for b in usable if b in ready.get(bucket, ()))
+
+    def planned_batch_sizes(self, bucket: int) -> tuple[int, ...]:
+        """The batch sizes `bucket` has graphs for once everything is compiled (largest first; ending with 1)."""
         cap = self.prefill_batch_tokens
         return tuple(b for b in self.prefill_batch_sizes if cap is None or b == 1 or b * bucket <= cap)
 
@@ -222,6 +255,7 @@ class PrefillEngine:
             ids[row, :n] = torch.tensor(job.token_ids[:n])
             mask[row, :n] = 1
         out = self.prefill_model(ids, attention_mask=mask, logits_to_keep=1, use_cache=True)
+        self.bucketed_prompts += len(work)
         results = []
         for row, (job, n) in enumerate(work):
             layers = [(k[row:row + 1, :, :n], v[row:row + 1, :, :n]) for k, v in out.past_key_values]
@@ -276,6 +310,8 @@ class PrefillEngine:
         rows must decode one by one (batched decode off or unsupported, or the forward failed and was undone)."""
         if not self.batched_decode:
             return None
+        if not self.attention_lock.acquire(blocking=False):
+            return None  # a background compile is tracing this model: decode the rows one by one meanwhile
         try:
             logits = self._forward_ragged(handles, tokens)
         except (RaggedDecodeUnsupported, NotImplementedError, TypeError) as exc:
@@ -287,6 +323,8 @@ class PrefillEngine:
         except Exception:  # undone by _forward_ragged; decoding the rows alone tells whose fault it was
             log.exception("a batched decode forward failed; decoding its rows one by one")
             return None
+        finally:
+            self.attention_lock.release()
         for handle, token in zip(handles, tokens):
             handle.token_ids.append(token)
         return logits
@@ -325,7 +363,7 @@ class PrefillEngine:
         positions = torch.tensor([[handle.seq_len] for handle in handles], dtype=torch.long, device=self.device)
         config = base.config
         previous = config._attn_implementation
-        config._attn_implementation = RAGGED_ATTENTION  # one thread (the engine's) runs this model at a time
+        config._attn_implementation = RAGGED_ATTENTION  # under attention_lock (see _try_ragged)
         try:
             with torch.no_grad(), _decode_gemms(self.geometry.dtype, self.device):
                 out = base(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,

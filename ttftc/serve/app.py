@@ -24,6 +24,10 @@ beside the TTFT it got. The policy (serve/policy.py) sets each tenant's priority
 (HTTP 429 in OpenAI's shape, with `Retry-After`, the seconds until the queue is estimated to drain) a request
 whose estimate misses the SLO by more than its margin.
 
+/health answers ok once the model is loaded, also while an LLM made with `background_compile=True` (as `ttftc
+serve` makes it) still compiles its buckets: requests are served meanwhile, on the KV path where a bucket is not
+ready; `buckets_compiling` in its body and the gauges in /metrics tell how far the compile got.
+
 `warm_prompts` (serve/warm.py) are prefilled into the prefix cache and pinned there before `create_app` returns,
 so a server never reports healthy without them; a bad one raises WarmPromptsError and no app is made.
 """
@@ -97,7 +101,8 @@ def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Opt
     async def health():
         if served.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok"}
+        status = llm.compile_status()
+        return {"status": "ok", "buckets_compiling": status["buckets_compiling"]}
 
     @app.get("/v1/models")
     async def models():
@@ -154,7 +159,8 @@ class _Served:
             prefix_cache_bytes=(lambda: stats().bytes_held) if stats else (lambda: 0),
             pinned_tokens=(lambda: stats().pinned_tokens) if stats else (lambda: 0),
             pinned_prompts=(lambda: stats().pinned_prompts) if stats else (lambda: 0),
-            cost_terms=llm.scheduler.cost_model.coefficients,
+            cost_terms=llm.scheduler.cost_model.coefficients, compile_status=llm.compile_status,
+            bucketed_prompts=lambda: llm.engine.bucketed_prompts,
             disk=_disk_figures(llm.prefix_cache) if llm.prefix_cache is not None and llm.prefix_cache.disk else None)
 
     def model_card(self) -> dict:

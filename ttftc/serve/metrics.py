@@ -7,6 +7,10 @@ Queue time and prefill tokens come from the scheduler's record of the request. G
 The TTFT estimate (runtime/ttft_estimate.py) is recorded next to the TTFT it predicted, for every request that
 was admitted: `ttftc_estimated_time_to_first_token_seconds` beside `ttftc_time_to_first_token_seconds`, and the
 relative error (estimated - actual) / actual, signed (a negative error is a promise broken) and absolute.
+
+While the buckets compile in the background (`ttftc serve` starts serving before they are ready), the buckets
+still compiling, compiled and failed are gauges, with whether the KV path runs compiled yet and how many prompts
+ran in a bucketed graph: a bucket's switch-over shows as that count moving.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ class ServerMetrics:
     def __init__(self, *, running: Callable[[], float], waiting: Callable[[], float],
                  prefix_cache_bytes: Callable[[], float], kv_tokens: Callable[[], float],
                  pinned_tokens: Callable[[], float] = lambda: 0, pinned_prompts: Callable[[], float] = lambda: 0,
-                 cost_terms: Optional[Callable[[], dict]] = None, disk: Optional[Callable[[], dict]] = None):
+                 cost_terms: Optional[Callable[[], dict]] = None, disk: Optional[Callable[[], dict]] = None,
+                 compile_status: Optional[Callable[[], dict]] = None,
+                 bucketed_prompts: Callable[[], float] = lambda: 0):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("ttftc_time_to_first_token_seconds", "Handler arrival to first token chunk sent",
@@ -70,6 +76,14 @@ class ServerMetrics:
                          ["quantity"], registry=r)
             for quantity in ("blocks", "bytes", "stored", "loaded", "declined", "refused"):
                 tier.labels(quantity).set_function(lambda quantity=quantity: disk()[quantity])
+        if compile_status is not None:
+            for state in ("compiling", "compiled", "failed"):
+                Gauge(f"ttftc_buckets_{state}", f"Prompt-length buckets whose graphs are {state} (background compile)",
+                      registry=r).set_function(lambda state=state: compile_status()[f"buckets_{state}"])
+            Gauge("ttftc_kv_path_compiled", "1 once the KV path (decode, cached prefixes) runs compiled, else 0",
+                  registry=r).set_function(lambda: float(compile_status()["kv_path"] in ("compiled", "ready")))
+        Gauge("ttftc_bucketed_prefill_prompts", "Prompts whose first stretch ran in a bucketed graph, since start",
+              registry=r).set_function(bucketed_prompts)
         if cost_terms is not None:
             cost = Gauge("ttftc_cost_model", "The TTFT cost model's fit: seconds per prefill forward, token, token x "
                          "context token; per decode step and row; per step outside its forwards", ["term"], registry=r)

@@ -21,7 +21,8 @@ from ttftc.bench.runtime_workloads import TimedRequest, run_arrivals
 from ttftc.bench.timing import synchronize
 from ttftc.bench.workloads.base import Request, Server, ServeTarget, Workload, WorkloadContext
 from ttftc.bench.workloads.registry import register_workload
-from ttftc.runtime import Request as RuntimeRequest
+from ttftc.runtime.engine import PrefillEngine
+from ttftc.runtime.scheduler import Request as RuntimeRequest
 
 SHORT_TOKENS = 64
 N_SHORT = 16
@@ -33,8 +34,6 @@ class SchedulerServer:
     """Holds the engine; called on its own it serves one request at a time (plain replay)."""
 
     def __init__(self, target: ServeTarget):
-        from ttftc.runtime import PrefillEngine
-
         self.engine = PrefillEngine(target.model)
         self.device = target.device
 

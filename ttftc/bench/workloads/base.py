@@ -1,4 +1,5 @@
-"""The workload plug-in interface: Request, WorkloadContext, ServeTarget and the Workload base class.
+"""The workload plug-in interface: Request and Server (defined in request.py), WorkloadContext, ServeTarget and
+the Workload base class.
 
 See the package docstring (ttftc/bench/workloads/__init__.py) for how to write a plug-in.
 """
@@ -11,24 +12,11 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
+from ttftc.bench.models import example_prompt
+from ttftc.bench.workloads.replay import replay
+from ttftc.bench.workloads.request import Request, Server
 
-@dataclass(frozen=True)
-class Request:
-    """One prompt sent to the server.
-
-    ids:        (1, L) prompt token ids, on the benchmark device.
-    arrival_s:  when it arrives, in seconds from the start of the run; its TTFT then counts from the arrival,
-                so time spent queued behind earlier requests is included. None: it is issued as soon as the
-                previous request finished (back to back). A workload uses arrival times for all its requests
-                or for none.
-    session:    a conversation or tenant key, for servers that keep state per session (prefix caches).
-    measured:   False for set-up requests (e.g. a turn that fills a cache) whose TTFT is not reported.
-    """
-
-    ids: torch.Tensor
-    arrival_s: Optional[float] = None
-    session: Optional[str] = None
-    measured: bool = True
+__all__ = ["Request", "ServeTarget", "Server", "Workload", "WorkloadContext"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +30,6 @@ class WorkloadContext:
 
     def prompt(self, length: int, *, seed: int) -> torch.Tensor:
         """A (1, length) prompt of random token ids, fixed by `seed` (the single-prompt workload uses seed 0)."""
-        from ttftc.bench.models import example_prompt
-
         return example_prompt(self.vocab_size, length, seed=seed, device=self.device)
 
 
@@ -61,9 +47,6 @@ class ServeTarget:
     prefill: Callable[[torch.Tensor], Any]
     variant: str
     device: str = "cpu"
-
-
-Server = Callable[[Request], Any]
 
 
 class Workload(abc.ABC):
@@ -86,8 +69,6 @@ class Workload(abc.ABC):
         """TTFT in seconds of every measured request. The default serves one request at a time
         (ttftc.bench.workloads.replay). A workload whose server interleaves requests (a step scheduler mixing
         prefill chunks with decodes) overrides this: one-at-a-time replay cannot show that overlap."""
-        from ttftc.bench.workloads.replay import replay
-
         return replay(requests, server, device=device)
 
     def table(self) -> Optional[dict]:

@@ -9,7 +9,7 @@ from ttftc.bench.errors import BenchInputError
 from ttftc.bench.workloads.base import Workload
 
 # Modules of this package that are infrastructure, not workloads.
-_INFRASTRUCTURE = {"base", "registry", "replay"}
+_INFRASTRUCTURE = {"base", "registry", "replay", "request"}
 
 _WORKLOADS: dict[str, type[Workload]] = {}
 _discovered = False

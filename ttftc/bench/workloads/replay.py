@@ -6,7 +6,7 @@ import time
 from typing import Sequence
 
 from ttftc.bench.timing import synchronize
-from ttftc.bench.workloads.base import Request, Server
+from ttftc.bench.workloads.request import Request, Server
 
 
 def replay(requests: Sequence[Request], server: Server, *, device: str = "cpu") -> list[float]:

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ttftc.runtime.engine import PrefillEngine
+from ttftc.runtime.kv import ModelGeometry
+from ttftc.runtime.prefix_cache import PrefixCache
+
 from ttftc.bench.workloads.base import Request, Server, ServeTarget, Workload, WorkloadContext
 from ttftc.bench.workloads.registry import register_workload
 
@@ -18,8 +22,6 @@ MEASURED_PER_RUN = 3
 
 def prefix_cache_server(target: ServeTarget, tokens_to_hold: int) -> Server:
     """A PrefillEngine with a fresh PrefixCache big enough for `tokens_to_hold` tokens; tenant = request.session."""
-    from ttftc.runtime import ModelGeometry, PrefillEngine, PrefixCache
-
     geometry = ModelGeometry.of(target.model)
     cache = PrefixCache(budget_bytes=max(tokens_to_hold, 64) * geometry.bytes_per_token())
     engine = PrefillEngine(target.model, prefix_cache=cache)

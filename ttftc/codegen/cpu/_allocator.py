@@ -3,10 +3,8 @@
 A prefill allocates activations of megabytes each (a 2048-token gate|up GEMM output of Llama-shaped models is
 25-46 MiB) and frees them a layer later. glibc serves blocks above its mmap threshold (dynamic, at most 32 MiB)
 with a fresh mmap and unmaps them on free, and trims the heap top above its trim threshold, so the next layer's
-buffer of the same size is fresh memory again: every 4 KiB page is zero-filled by the kernel on its first touch.
-Measured with `ttftc bench`'s llama-135m at 2048 tokens, ttftc eager generator, fp32 (AMD EPYC Zen 4, 2 threads):
-30-150 thousand minor page faults and 25-370 ms of system time per forward under glibc's defaults, 0 faults with
-mmap and trimming off; 2.56-3.08 s against 2.48-2.53 s per forward.
+buffer of the same size is fresh memory again: every 4 KiB page is zero-filled by the kernel on its first touch,
+which shows as minor page faults and system time in every forward (benchmarks/README.md, CPU memory).
 
 `keep_freed_pages()` turns glibc's mmap use off (M_MMAP_MAX 0: every block comes from the heap, where a freed block
 is reused) and raises the trim threshold to its maximum, once per process. The cost is that a process keeps the

@@ -1,19 +1,16 @@
 """What the CPU lowerings share: the GEMM of a linear, its two backends, and the capability rule for it.
 
 Two GEMM backends compute x · wᵀ for a weight stored [N, K]:
-  "onednn"  oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`). On the AMD EPYC (Zen 4) this project is measured
-            on, it is the faster fp32 GEMM at every llama-135m shape: 1.1-1.6x over MKL's sgemm (which takes its
-            non-Intel code path here). benchmarks/wide_gemm_cpu.py, 512 tokens: q|k|v 16.2 ms oneDNN merged vs
-            22.1 ms for the best BLAS blocking, gate|up 29.5 vs 38.7 ms, and 199 vs 134 GFLOP/s at 2048³ (another
-            run: 217 vs 178). In bf16 the two are within noise of each other. It writes a fresh output, so it takes no column blocking, and it
-            copies a row-strided activation to contiguous first (measured no slower than writing the gated FFN's
-            act·mul into a fresh buffer instead).
+  "onednn"  oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`). It writes a fresh output, so it takes no column
+            blocking, and it copies a row-strided activation to contiguous first (measured no slower than writing
+            the gated FFN's act·mul into a fresh buffer instead).
   "blas"    `torch.mm`/`torch.addmm` (MKL), optionally in column blocks written into one output buffer: with this
             backend one GEMM over a merged weight measured slower than the separate GEMMs it replaced, and 1024-column
-            blocks fastest (512 tokens, K=1024: q|k|v 17.9 ms merged, 17.1 separate, 16.9 blocked).
+            blocks fastest (hence DEFAULT_N_BLOCK).
 Both are autotune knobs per op instance (`WIDE_GEMM_SPACE_AXES`). Without a tuned config, the default is whichever
-of the two measured faster in this process (`measured_gemm_backend`, one llama-sized GEMM each): the figures above
-are one CPU's, and MKL takes a different code path on each vendor, so no machine's ranking is baked in.
+of the two measured faster in this process (`measured_gemm_backend`, one llama-sized GEMM each): the ranking
+depends on the CPU (MKL takes a different code path on each vendor), so no machine's ranking is baked in.
+benchmarks/wide_gemm_cpu.py measures both; benchmarks/README.md (GEMM backend) has the figures and their CPUs.
 $TTFTC_CPU_GEMM (onednn or blas) overrides the measurement.
 
 Weights stay in their frozen [N, K] layout and reach the GEMM as-is (oneDNN) or as the transposed view `w.t()`
@@ -65,7 +62,7 @@ class GemmBackendChoice:
     reason: str = ""  # why nothing was timed (an override, or only one backend can run)
 
     def describe(self) -> str:
-        """e.g. "fp32 GEMM: onednn (1.9 ms; blas 2.4 ms at 256x1024x1024)"."""
+        """e.g. "fp32 GEMM: onednn (A ms; blas B ms at 256x1024x1024)", with this process's times."""
         name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, str(self.dtype))
         if not self.ms:
             return f"{name} GEMM: {self.backend} ({self.reason})"

@@ -5,15 +5,16 @@ sources other than the ones next to this file) `unavailable_reason()` says why, 
 step aside for their ATen paths. A build from other sources is refused rather than trusted: a kernel edited in
 csrc/ and not rebuilt would otherwise run the old code under the new source hash that every cache key carries.
 
-Every wrapper validates what it hands over, before it takes a pointer: every tensor's device (the CPU: a meta tensor's
-data_ptr() is 0), dtype, shape and unit stride along the last dimension, and every count's type and range. The C++
-side works on raw pointers and trusts them; it checks only its own size arithmetic and allocations (a failure there
-is a MemoryError, never an abort).
+The kernels are torch operators, torch.ops.ttftc_native.* (csrc/native.cpp states their schemas): the profiler shows
+them by name, Inductor's generated code can call them, and tracing runs their fakes (below). Each writes into
+buffers its caller allocated (declared mutated in its schema) and returns nothing. The wrappers here allocate those
+buffers and validate what they hand over first, with the messages the lowerings report: every tensor's device (a
+meta tensor has no data), dtype, shape and unit stride along the last dimension, and every count's type and range.
+The operators check the tensors again, since anyone may call them, and their own size arithmetic and allocations.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
@@ -23,6 +24,7 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 CSRC = Path(__file__).with_name("csrc")
 # Runs every native kernel with an instruction set below the CPU's best ("avx2" or "base"), in a whole process: how
@@ -51,11 +53,13 @@ def source_digest(directory: Path = CSRC) -> str:
 @functools.cache
 def _load() -> tuple[Optional[ModuleType], Optional[str]]:
     try:
-        from ttftc.codegen.cpu import _native_kernels as module
+        from ttftc.codegen.cpu import _native_kernels as module  # lazy: optional extension, absent where not built
     except ImportError as exc:
-        return None, f"native kernels not built ({exc}); reinstall ttftc with a C++17 compiler: pip install -e ."
+        return None, (f"native kernels not built ({exc}); reinstall ttftc with a C++20 compiler and torch importable: "
+                      "pip install --no-build-isolation -e .")
     if module.source_digest() != source_digest():
         return None, "native kernels were built from other sources than csrc/ holds now; rebuild: pip install -e ."
+    _register_fakes()
     runtime = _loaded_openmp()
     if runtime is not None:
         module.use_openmp(runtime)
@@ -86,16 +90,30 @@ def _loaded_openmp() -> Optional[str]:
     return None
 
 
-def _profiled(name: str):
-    """A torch.profiler range around a native call (the profiler cannot see into an extension), only while one runs."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(f"ttftc_native::{name}")
-    return contextlib.nullcontext()
+# The operators this extension registers, torch.ops.ttftc_native.<name>.
+OPS = ("attention", "quantize_rows", "norm", "gated_act", "dequant", "gated_quant", "rope", "int8_gemm")
 
 
-def _call(name: str, *args) -> None:
-    with _profiled(name):
-        getattr(_load()[0], name)(*args)
+def _writes_its_outputs(*args) -> None:
+    """The fake of every operator: each writes only into buffers it is handed, so tracing has nothing to make.
+
+    It is the operators' Meta kernel too, which a single meta operand selects: among real CPU tensors that call
+    would write nothing, so it is refused."""
+    if any(isinstance(a, torch.Tensor) and a.device.type != "meta" and not is_fake(a) for a in args):
+        raise ValueError("ttftc_native: a meta operand among tensors with data; every operand must be on the CPU")
+
+
+@functools.cache
+def _register_fakes() -> None:
+    """Once per process, after the extension has defined the operators (a fake needs its operator)."""
+    for name in OPS:
+        torch.library.register_fake(f"ttftc_native::{name}", _writes_its_outputs)
+
+
+@functools.cache
+def _op(name: str) -> torch._ops.OpOverload:
+    """The operator's one overload, resolved once: calling it skips the overload lookup of torch.ops.<ns>.<name>."""
+    return getattr(torch.ops.ttftc_native, name).default
 
 
 def unavailable_reason() -> Optional[str]:
@@ -181,8 +199,8 @@ def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int
     reason = attention_reason(q, k, v, _count("q_offset", q_offset, 0, MAX_POSITION))
     if reason is not None:
         raise ValueError(reason)
-    b, hq, sq, d = q.shape
-    hkv, skv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    b, hq, sq = q.shape[:3]
+    skv, dv = k.shape[2], v.shape[-1]
     if tuple(out.shape) != (b, hq, sq, dv) or out.dtype != q.dtype:
         raise ValueError(f"out must be {q.dtype} {(b, hq, sq, dv)}, got {out.dtype} {tuple(out.shape)}")
     if any(t.numel() and t.stride(-1) != 1 for t in (q, k, v, out)):
@@ -196,17 +214,16 @@ def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int
     threads = _count("threads", threads, 1, MAX_THREADS)
     if out.numel() == 0:
         return out
-    ints = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if kv_len is None else kv_len.data_ptr(),
-            b, hq, hkv, sq, skv, d, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            int(bool(causal)), q_offset, window, block_k, threads, int(q.dtype == torch.bfloat16), int(bool(pack_kv)))
-    _call("attention", ints, float(scale))
+    _op("attention")(q, k, v, out, kv_len, bool(causal), float(scale), q_offset, window, block_k, threads,
+                     bool(pack_kv))
     return out
 
 
 # -- the W8A8 glue (csrc/rows_kernel.h) ----------------------------------------------------------------------
 
 ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the row kernels read and write besides int8/int32
-ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "relu": 2}
+# The activations gated_act and gated_quant take, by name (the operators map them to their kernels' codes).
+ACTIVATION_CODES = ("silu", "gelu_tanh", "relu")
 
 
 def _rows_ready(*tensors) -> bool:
@@ -251,8 +268,7 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.int8)
     scale = torch.empty(m, dtype=torch.float32)
     if m:  # with k 0 too: the kernel gives such rows the all-zero row's scale, 1e-8 / 127
-        _call("quantize_rows", (x2d.data_ptr(), int(x2d.dtype == torch.bfloat16), x2d.stride(0), q.data_ptr(),
-                                scale.data_ptr(), m, k, _threads()))
+        _op("quantize_rows")(x2d, q, scale, _threads())
     return q, scale
 
 
@@ -277,11 +293,8 @@ def _norm_call(x2d, weight, bias, residual2d, *, layer: bool, eps: float, quanti
     else:
         q, scale, out = None, None, torch.empty(m, k, dtype=torch.promote_types(x2d.dtype, weight.dtype))
     if m and k:
-        x_bf16, w_bf16 = x2d.dtype == torch.bfloat16, weight.dtype == torch.bfloat16
-        address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        _call("norm", (x2d.data_ptr(), address(residual2d), address(summed), weight.data_ptr(),
-                       address(bias) if layer else 0, address(q), address(scale), address(out), m, k, int(x_bf16),
-                       int(w_bf16), int(layer), int(x_bf16 and w_bf16), _threads()), float(eps))
+        _op("norm")(x2d, residual2d, summed, weight, bias if layer else None, q, scale, out, bool(layer), float(eps),
+                    _threads())
     return (q, scale) if quantize else out, summed
 
 
@@ -309,8 +322,7 @@ def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     _check(two_i % 2 == 0, "gated_act: an odd gate|up width")
     out = torch.empty(m, two_i // 2, dtype=gate_up.dtype)
     if m and two_i:
-        _call("gated_act", (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, two_i // 2, ACTIVATION_CODES[act],
-                            int(gate_up.dtype == torch.bfloat16), _threads()))
+        _op("gated_act")(gate_up, out, act, _threads())
     return out
 
 
@@ -328,9 +340,7 @@ def dequant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bia
     _check(x_scale.shape == (m,) and w_scale.shape == (n,) and (bias is None or bias.shape == (n,)), "dequant: scales")
     out = torch.empty(m, n, dtype=out_dtype)
     if m and n:
-        _call("dequant", (acc.data_ptr(), acc.stride(0), x_scale.data_ptr(), w_scale.data_ptr(),
-                          0 if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n,
-                          int(out_dtype == torch.bfloat16), _threads()))
+        _op("dequant")(acc, x_scale, w_scale, bias, out, _threads())
     return out
 
 
@@ -352,9 +362,7 @@ def gated_quant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
     q = torch.empty(m, inter, dtype=torch.int8)
     scale = torch.empty(m, dtype=torch.float32)
     if m:  # with inter 0 too: the kernel gives such rows the all-zero row's scale, as quantize_rows does
-        _call("gated_quant", (acc.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(),
-                              0 if bias is None else bias.data_ptr(), q.data_ptr(), scale.data_ptr(), m, inter,
-                              ACTIVATION_CODES[act], _threads()))
+        _op("gated_quant")(acc, x_scale, w_scale, bias, q, scale, act, _threads())
     return q, scale
 
 
@@ -369,11 +377,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
     _check(cos.dtype == sin.dtype == x.dtype and cos.device == sin.device == x.device, "rope: cos and sin must match x")
     _check(out.shape == x.shape and out.dtype == x.dtype and out.device == x.device, "rope: out must match x")
     _check(_rows_ready(x, *tables, out), "rope: x, cos, sin and out need a unit stride along the head dimension")
-    b, h, s, d = x.shape
     if out.numel():
-        _call("rope", (x.data_ptr(), tables[0].data_ptr(), tables[1].data_ptr(), out.data_ptr(), b, h, s, d,
-                       *x.stride()[:3], *tables[0].stride()[:3], *tables[1].stride()[:3], *out.stride()[:3],
-                       int(x.dtype == torch.bfloat16), _threads()))
+        _op("rope")(x, tables[0], tables[1], out, _threads())
     return out
 
 
@@ -418,7 +423,8 @@ def pack_int8_weight(w: torch.Tensor) -> torch.Tensor:
     vecs, groups = -(-n // INT8_COLUMNS), -(-k // INT8_DEPTH)
     padded = torch.zeros(vecs * INT8_COLUMNS, groups * INT8_DEPTH, dtype=torch.int8)
     padded[:n, :k] = w
-    # Each group of 4 k moves as one int32: ATen's int8 permute copies a byte at a time, 10x slower at 1024x1024.
+    # Each group of 4 k moves as one int32: ATen's int8 permute copies a byte at a time, far slower
+    # (benchmarks/README.md, int8).
     groups_as_words = padded.view(torch.int32).view(vecs, INT8_COLUMNS, groups)
     return groups_as_words.transpose(1, 2).contiguous().view(torch.int8).view(vecs, groups, INT8_COLUMNS, INT8_DEPTH)
 
@@ -458,8 +464,5 @@ def int8_gemm(xq: torch.Tensor, packed: torch.Tensor, n: int, x_scale: Optional[
     block_vecs = _count("block_vecs", block_vecs, 1, 2**62)
     out = torch.empty(m, n, dtype=out_dtype)
     if m and n:
-        address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        _call("int8_gemm", (xq.data_ptr(), xq.stride(0) if m > 1 else k, packed.data_ptr(), out.data_ptr(), n,
-                            address(x_scale), address(w_scale), address(bias), m, n, k, INT8_OUT_KINDS[out_dtype],
-                            block_rows, block_vecs, _threads()))
+        _op("int8_gemm")(xq, packed, x_scale, w_scale, bias, out, block_rows, block_vecs, _threads())
     return out

@@ -18,8 +18,8 @@ than the process may run on.
 Whether switching the count is per thread depends on torch's parallel backend. With OpenMP (the backend of the
 Linux CPU wheels, this project's supported builds), `torch.set_num_threads` sets the calling thread's OpenMP ICV and
 MKL's thread-local count: another thread that has already run parallel ATen work keeps its own count. That was
-measured on torch 2.13.0+cpu (tests/security/test_small_items.py checks it): a thread at 1 thread left a 1500x1500
-matmul in another thread at its 2-thread speed (0.197 s for 6, against 0.198 s before and 0.384 s on 1 thread). So
+measured on torch 2.13.0+cpu (tests/security/test_small_items.py checks it): a thread switched to 1 thread left a
+matmul running in another thread at that thread's own speed (benchmarks/README.md, threads). So
 on OpenMP builds switched regions run concurrently; on other backends, whose pool every thread shares, they hold a
 lock so that two threads cannot interleave their save and restore. One caveat on OpenMP remains: torch also records
 the last count set as the default of threads that have not yet run parallel work, so a thread whose first parallel

@@ -33,7 +33,7 @@ import torch
 from ttftc.autotune.space import Problem, SearchSpace, register_space
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.ops.attention import attention_mask
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -129,8 +129,8 @@ def _full_mask(q, k, v, scale: float, q_offset: int, window: int) -> torch.Tenso
 def _causal_gemm_blocks(q, k, v, scale: float, block_rows: int) -> torch.Tensor:
     """Causal (top-left) attention as two batched GEMMs per block of query rows, in the flash layout.
 
-    Why: where the CPU has native bf16, oneDNN's bf16 bmm runs far faster than ATen's flash kernel, whose inner
-    products stay in fp32 (AMD EPYC with avx512_bf16, 9 heads x 2048 tokens x 64: 18.7 ms against 38.4 ms). Each
+    Why: where the CPU has native bf16, oneDNN's bf16 bmm can run far faster than ATen's flash kernel, whose inner
+    products stay in fp32 (benchmarks/README.md, attention kernels). Each
     block scores its rows against keys [0, stop) only (the causal half), so scores are rows x stop per head, never
     Sq x Skv. Numerics are those of Hugging Face's eager attention: scores in the input dtype, softmax accumulated
     in fp32. GQA heads share their K/V head through the batch dimension, so K and V are never repeated.
@@ -187,7 +187,7 @@ def fastest_kernel(dtype: torch.dtype) -> str:
 
 
 def describe_kernel_choice(dtype: torch.dtype) -> str:
-    """e.g. "fp32 attention: native (1.2 ms; flash 2.0 ms; gemm_blocks 3.1 ms at 8 heads x 512 tokens x 64, causal)"."""
+    """e.g. "fp32 attention: native (A ms; flash B ms; gemm_blocks C ms at 8 heads x 512 tokens x 64, causal)"."""
     times = kernel_seconds(dtype)
     chosen = fastest_kernel(dtype)
     others = "".join(f"; {kernel} {seconds * 1e3:.1f} ms" for kernel, seconds in sorted(times.items())
@@ -202,8 +202,8 @@ def _native_attention(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: 
     out = _empty_out(q, v)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     # K/V rows a multiple of 4 KiB apart (16 interleaved fp32 heads of 64) fall into the same L1 sets. The kernel's
-    # copy into its tile order pays once enough queries read each key (2048 keys, 16 heads, AMD EPYC: 0.95x the
-    # in-place time at 128 queries, 0.76x at 2048; 1.09x at 64); rows at other strides are read in place.
+    # copy into its tile order pays once enough queries read each key (the 128 below is the measured crossover:
+    # benchmarks/README.md, attention kernels); rows at other strides are read in place.
     rows_alias = any((t.stride(2) * t.element_size()) % 4096 == 0 and t.stride(2) != t.shape[-1] for t in (k, v))
     pack_kv = rows_alias and q.dtype == torch.float32 and q.shape[2] * (q.shape[1] // k.shape[1]) >= 128
     lengths = None if kv_len is None else kv_len.to(torch.int64).contiguous()

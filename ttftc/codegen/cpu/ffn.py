@@ -4,8 +4,8 @@ gated_ffn: one GEMM into [T, 2I] for the merged gate|up weight, then act(gate)·
 contiguous [T, I] (ttftc's native row kernel, csrc/rows_kernel.h), which the down GEMM reads as it is. Without the
 native kernel: act(gate) and the multiply by up run in place on the gate half (no new [T, I] buffers), and the down
 GEMM reads that half as a strided view (BLAS takes the row stride as its leading dimension; oneDNN copies it once,
-see cpu/_blas.py). Weight layout: see cpu/_blas.py. Measured 1.08-1.11x
-faster than the eager three GEMMs + silu + mul at llama-135m shapes (benchmarks/ffn_norm_cpu.py).
+see cpu/_blas.py). Weight layout: see cpu/_blas.py. It measured faster than the eager three GEMMs + silu + mul at
+llama-135m shapes (benchmarks/ffn_norm_cpu.py; figures and CPU in benchmarks/README.md, FFN and norms).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._blas import (WIDE_GEMM_SPACE_AXES, cpu_linear_reason, default_wide_gemm_config, gemm_options,
                                      linear_2d, wide_gemm_constraint)
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.ops.ffn import ACTIVATIONS
 
 

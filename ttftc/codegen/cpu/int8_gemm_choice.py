@@ -2,7 +2,7 @@
 
 No CPU class is fast at int8 in general:
 - ATen's CPU `torch._int_mm` calls oneDNN only where the CPU has VNNI; elsewhere it runs a plain dot-product loop
-  (aten LinearAlgebra.cpp, `_int_mm_out_cpu`), tens of times slower than an fp32 GEMM.
+  (aten LinearAlgebra.cpp, `_int_mm_out_cpu`), far slower than an fp32 GEMM (benchmarks/README.md, int8).
 - oneDNN's quantised linear with a u8 activation is fast everywhere, but without VNNI it multiplies with AVX2's
   `vpmaddubsw`, whose 16-bit pair sums saturate on full-range operands: wrong numbers (pytorch issue 136746).
 So each candidate is first run on full-range operands, including the extreme rows that saturate a 16-bit pair
@@ -57,7 +57,7 @@ class Int8GemmChoice:
         return ms is None or fp32 is None or ms < fp32 or name == FP32
 
     def describe(self) -> str:
-        """e.g. "int8 GEMM: onednn_u8 (5.3 ms; int_mm 420.0 ms, fp32 11.7 ms at 256x1024x1024)"."""
+        """e.g. "int8 GEMM: onednn_u8 (A ms; int_mm B ms, fp32 C ms at 256x1024x1024)", with this process's times."""
         m, k, n = self.shape
         others = [f"{name} {ms:.1f} ms" for name, ms in sorted(self.ms.items()) if name != self.gemm]
         others += [f"{name} refused: {why}" for name, why in sorted(self.refused.items())]

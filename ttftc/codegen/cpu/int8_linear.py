@@ -43,7 +43,7 @@ from ttftc.codegen.cpu.int8_gemm_choice import FP32, Int8GemmChoice, measure
 from ttftc.codegen.cpu.ffn import activation_
 from ttftc.codegen.cpu.norm import (native_norm_fits, native_norm_rows, native_residual_out, norm_reason,
                                     normalize_cpu, residual_add)
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.ops.ffn import ACTIVATIONS
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)

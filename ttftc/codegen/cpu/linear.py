@@ -6,7 +6,7 @@ from ttftc.autotune.space import SearchSpace, register_space
 from ttftc.codegen.cpu._blas import (WIDE_GEMM_SPACE_AXES, cpu_linear_reason, default_wide_gemm_config, gemm_options,
                                      linear_2d, wide_gemm_constraint)
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 
 
 def _reason(ctx, x, w, b=None):

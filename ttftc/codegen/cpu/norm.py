@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ttftc.codegen.cpu import _native
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 
 
 def residual_add(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from ttftc.codegen.cpu._blas import (WIDE_GEMM_SPACE_AXES, cpu_linear_reason, de
                                      linear_2d, wide_gemm_constraint)
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
 from ttftc.codegen.cpu.norm import add_and_normalize, norm_reason
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 
 
 def _reason(ctx, x, norm_w, norm_b, w, b=None, residual=None, *, kind, eps):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ttftc.codegen.cpu import _native
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.ops.rope import empty_rope_output, rope_fake, rope_shape_reason
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ttftc.codegen.inductor import inductor_reason
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.ops.ffn import ACTIVATIONS, apply_activation
 
 

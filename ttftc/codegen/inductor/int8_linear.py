@@ -15,7 +15,7 @@ import torch
 
 from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 from ttftc.codegen.inductor import inductor_reason
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.ops.ffn import apply_activation
 from ttftc.ops.int8_linear import operands_reason, quantize_per_token
 from ttftc.ops.norm_linear import NORM_KINDS, add_residual, normalize

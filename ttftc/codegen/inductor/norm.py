@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ttftc.codegen.inductor import inductor_reason
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.ops.norm_linear import NORM_KINDS, add_residual, normalize
 
 

@@ -4,7 +4,7 @@ around it (the op exists for the eager code generator, where the decomposition i
 from __future__ import annotations
 
 from ttftc.codegen.inductor import inductor_reason
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.ops.rope import rope_shape_reason, rotate_half_reference
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.codegen.npu import _torch_npu
 from ttftc.ops.attention import attention_mask
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.codegen.npu import _torch_npu
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.codegen.npu import _torch_npu
 from ttftc.codegen.npu.norm import norm_reason, npu_norm
 from ttftc.ops.ffn import apply_activation

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch.nn.functional as F
 
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.codegen.npu.norm import norm_reason, npu_norm
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.codegen.npu import _torch_npu
 from ttftc.ops.rope import empty_rope_output, rope_fake, rope_shape_reason
 

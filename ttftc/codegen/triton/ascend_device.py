@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ttftc.codegen.npu import _torch_npu
 from ttftc.codegen.triton.targets import Target, get_target
 
 
@@ -34,12 +35,10 @@ ATLAS_A2 = AscendDevice.from_target(get_target("Ascend910B3"))
 
 def query_device() -> AscendDevice:
     """The current NPU's core counts from triton-ascend's driver, else the Atlas A2 numbers."""
-    from ttftc.codegen.npu import _torch_npu
-
     if _torch_npu.load() is None:
         return ATLAS_A2
     try:
-        import triton
+        import triton  # lazy: triton-ascend, present only on an Ascend host
 
         props = triton.runtime.driver.active.utils.get_device_properties(torch.npu.current_device())
         cube, vector = int(props.get("num_aicore", 0)), int(props.get("num_vectorcore", 0))

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from ttftc.autotune.space import Problem, SearchSpace, register_space, space_for
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.codegen.triton.ascend_device import current_device, launch_grid
 from ttftc.codegen.triton.launch import KernelLaunch
 from ttftc.codegen.triton.targets import Target, current_target
@@ -448,11 +448,11 @@ def attention_triton(q, k, v, kv_len=None, *, causal, scale, q_offset=0, window=
 
 
 def _npu_default(q, k, v, kv_len, **options) -> dict:
-    """The triton-ascend space's default (attention_ascend registers it; load_providers imports it)."""
+    """The triton-ascend space's default (attention_ascend registers it; ttftc.codegen.providers imports it)."""
     space = space_for("attention", "triton", "npu")
     if space is None:
         raise RuntimeError("the triton-ascend attention space is not registered: import "
-                           "ttftc.codegen.triton.attention_ascend (ttftc.codegen.lowering.load_providers does)")
+                           "ttftc.codegen.triton.attention_ascend (ttftc.codegen.providers imports it)")
     return space.default(Problem.from_meta("attention", "triton", (q, k, v, kv_len), options))
 
 

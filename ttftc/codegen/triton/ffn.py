@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.codegen.triton._ffn_norm_support import HAS_TRITON, device_reason, dtype_reason, interpreting
 from ttftc.codegen.triton.launch import KernelLaunch
 from ttftc.ops.ffn import ACTIVATIONS

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ttftc.codegen.lowering import register_lowering
+from ttftc.codegen.registry import register_lowering
 from ttftc.codegen.triton._ffn_norm_support import dtype_reason
 from ttftc.codegen.triton.norm import fused_norm, norm_reason
 

@@ -95,7 +95,7 @@ def gpu_targets() -> list[Target]:
 
 def triton_gpu_target(target: Target):
     """triton's GPUTarget for `target` (imported here so that this module stays importable without triton)."""
-    from triton.backends.compiler import GPUTarget
+    from triton.backends.compiler import GPUTarget  # lazy: this module is read where triton is absent
 
     return GPUTarget(target.backend, target.arch, target.warp_size)
 

@@ -6,13 +6,19 @@
 // So a build never depends on the build machine's CPU (no -march=native): the same .so is right on an AMD EPYC
 // with AVX-512 and on an older Xeon without it.
 //
-// The Python side (ttftc/codegen/cpu/_native.py) validates every tensor (device, dtype, shapes, strides) and every
-// count before it hands raw pointers here; this file trusts the pointers it is given. What it does not trust is its
-// own size arithmetic: every allocation size is computed with overflow checks and every allocation is checked, and
-// a failure is a Python exception (MemoryError, or ValueError for a count out of range), never an abort.
+// The kernels are torch operators, torch.ops.ttftc_native.* (TORCH_LIBRARY at the end of this file), with typed
+// schemas: the profiler shows them by name, Inductor's generated code can call them, and tracing uses their fakes
+// (ttftc/codegen/cpu/_native.py). Each operator checks every tensor it is given (device, dtype, shape, unit stride
+// along the last dimension) before it takes a pointer, and its own size arithmetic and allocations: a failure is a
+// Python exception (ValueError, or torch.OutOfMemoryError for working memory), never an abort. The module itself
+// keeps the process-wide switches (isa, set_isa, use_openmp, source_digest).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <dlfcn.h>
 #if defined(__x86_64__)
@@ -28,6 +34,8 @@
 #include <cstring>
 #include <exception>
 #include <initializer_list>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -209,8 +217,8 @@ struct Scratch {
 
 // The OpenMP runtime torch already loaded, reached through its GOMP_parallel entry point (libgomp's, which Intel's
 // runtime also exports). Why not threads of our own: torch's OpenMP workers spin for a while after each parallel
-// op, so freshly started threads would share their cores with spinning ones (measured: no gain at all from a
-// kernel 1.3-1.9x faster in isolation). On torch's own team the cores are handed over, as between two ATen ops.
+// op, so freshly started threads would share their cores with spinning ones and lose what a faster kernel gains
+// (benchmarks/README.md, threads). On torch's own team the cores are handed over, as between two ATen ops.
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
 GompParallel gomp_parallel = nullptr;
 
@@ -390,210 +398,364 @@ constexpr int kIsas = 4;
 template <class Args>
 using Kernel = bool (*)(const Args&, int);
 
-// Reads `count` Python ints from a tuple; false with a Python error set when that fails.
-bool parse_ints(PyObject* args, const char* name, Py_ssize_t count, int64_t* out, double* real) {
-  PyObject* ints;
-  int ok = real ? PyArg_ParseTuple(args, "O!d", &PyTuple_Type, &ints, real) : PyArg_ParseTuple(args, "O!", &PyTuple_Type, &ints);
-  if (!ok) return false;
-  if (PyTuple_GET_SIZE(ints) != count) {
-    PyErr_Format(PyExc_ValueError, "%s expects %zd integers, got %zd", name, count, PyTuple_GET_SIZE(ints));
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(ints, i));
-    if (out[i] == -1 && PyErr_Occurred()) return false;
-  }
-  return true;
+// Every check below raises a c10 exception, which the dispatcher hands to Python as ValueError (TORCH_CHECK_VALUE)
+// or torch.OutOfMemoryError.
+void check_threads(const char* name, int64_t threads) {
+  TORCH_CHECK_VALUE(threads >= 1 && threads <= INT_MAX, name, ": threads must be in [1, ", INT_MAX, "], got ", threads);
 }
 
-// False with a ValueError set unless every count is non-negative (sizes, and offsets that index forward only).
-bool non_negative(const char* name, std::initializer_list<int64_t> counts) {
-  for (int64_t n : counts) {
-    if (n < 0) {
-      PyErr_Format(PyExc_ValueError, "%s: a size or count is negative (%lld)", name, (long long)n);
-      return false;
-    }
-  }
-  return true;
+void non_negative(const char* name, std::initializer_list<int64_t> counts) {
+  for (int64_t n : counts) TORCH_CHECK_VALUE(n >= 0, name, ": a size or count is negative (", n, ")");
 }
 
 template <class Args>
-PyObject* run(const char* name, const Kernel<Args> (&by_isa)[kIsas], const Args& a, int64_t threads) {
-  if (threads < 1 || threads > INT_MAX) {
-    PyErr_Format(PyExc_ValueError, "%s: threads must be in [1, %d], got %lld", name, INT_MAX, (long long)threads);
-    return nullptr;
-  }
-  bool done;
-  Py_BEGIN_ALLOW_THREADS
-  done = by_isa[int(kIsa)](a, int(threads));
-  Py_END_ALLOW_THREADS
-  if (!done) {
-    PyErr_Format(PyExc_MemoryError, "%s: the working memory of a thread cannot be allocated (its size overflows or "
-                 "memory is exhausted)", name);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+void launch(const char* name, const Kernel<Args> (&by_isa)[kIsas], const Args& a, int64_t threads) {
+  check_threads(name, threads);
+  const bool done = by_isa[int(kIsa)](a, int(threads));
+  TORCH_CHECK_WITH(OutOfMemoryError, done, name, ": the working memory of a thread cannot be allocated (its size "
+                   "overflows or memory is exhausted)");
 }
 
-template <class T>
-T* ptr(int64_t address) {
-  return reinterpret_cast<T*>(address);
-}
+// The attention masks compare query and key positions as fp32, which holds every integer up to 2^24 exactly.
+constexpr int64_t kMaxPosition = int64_t(1) << 24;
 
-// attention(ints, scale): ints = (q, k, v, o, kv_len or 0 as addresses; batch, hq, hkv, sq, skv, d, dv;
-// q strides b/h/s, k strides, v strides, o strides; causal, q_offset, window, block_k, threads, bf16, pack_kv).
-// bf16 needs the avx512_bf16 kernels.
-PyObject* attention(PyObject*, PyObject* args) {
-  int64_t x[31];
-  double scale;
-  if (!parse_ints(args, "attention", 31, x, &scale)) return nullptr;
-  AttentionArgs a;
-  a.q = ptr<const void>(x[0]);
-  a.k = ptr<const void>(x[1]);
-  a.v = ptr<const void>(x[2]);
-  a.o = ptr<void>(x[3]);
-  a.kv_len = ptr<const int64_t>(x[4]);
-  a.batch = x[5]; a.hq = x[6]; a.hkv = x[7]; a.sq = x[8]; a.skv = x[9]; a.d = x[10]; a.dv = x[11];
-  a.q_sb = x[12]; a.q_sh = x[13]; a.q_ss = x[14];
-  a.k_sb = x[15]; a.k_sh = x[16]; a.k_ss = x[17];
-  a.v_sb = x[18]; a.v_sh = x[19]; a.v_ss = x[20];
-  a.o_sb = x[21]; a.o_sh = x[22]; a.o_ss = x[23];
-  a.causal = x[24] != 0; a.q_offset = x[25]; a.window = x[26]; a.block_k = x[27];
-  a.scale = float(scale);
-  a.pack_kv = x[30] != 0;
-  if (!non_negative("attention", {a.batch, a.hq, a.hkv, a.sq, a.skv, a.d, a.dv, a.q_offset, a.window})) return nullptr;
-  if (a.block_k < 1 || a.hkv < 1 || a.hq % a.hkv != 0) {
-    PyErr_Format(PyExc_ValueError, "attention: block_k (%lld) and kv heads (%lld) must be >= 1, query heads (%lld) a "
-                 "multiple of kv heads", (long long)a.block_k, (long long)a.hkv, (long long)a.hq);
-    return nullptr;
-  }
+// bf16 needs the avx512_bf16 kernels. `empty`: nothing to write (the counts are still checked).
+void run_attention(AttentionArgs a, bool bf16, int64_t threads, bool empty) {
+  non_negative("attention", {a.batch, a.hq, a.hkv, a.sq, a.skv, a.d, a.dv, a.q_offset, a.window});
+  TORCH_CHECK_VALUE(a.block_k >= 1 && a.hkv >= 1 && a.hq % a.hkv == 0, "attention: block_k (", a.block_k,
+                    ") and kv heads (", a.hkv, ") must be >= 1, query heads (", a.hq, ") a multiple of kv heads");
+  check_threads("attention", threads);
   // A block holds at most the keys there are (the kernel visits min(block_k, keys left) at a time), so past them
   // block_k only sized the working memory. Clamped to the keys rounded up to 8 (a multiple of every ISA's register
   // tile), blocks and results are the same as unclamped.
   a.block_k = std::min(a.block_k, (std::max<int64_t>(a.skv, 1) + 7) / 8 * 8);
-  if (x[29] == 0) {
+  // A window past every query's position hides nothing, as one of exactly that size does: clamped, it stays exact
+  // in the kernel's fp32 position arithmetic.
+  if (a.window > a.q_offset + a.sq) a.window = a.q_offset + a.sq;
+  if (empty) return;
+  if (!bf16) {
     static const Kernel<AttentionArgs> kernels[kIsas] = TTFTC_BY_ISA(attention);
-    return run("attention", kernels, a, x[28]);
+    return launch("attention", kernels, a, threads);
   }
 #ifdef TTFTC_X86
   if (kIsa == Isa::avx512_bf16) {
     static const Kernel<AttentionArgs> kernels[kIsas] = {nullptr, nullptr, nullptr, isa_avx512_bf16::attention_bf16};
-    return run("attention", kernels, a, x[28]);
+    return launch("attention", kernels, a, threads);
   }
 #endif
-  PyErr_Format(PyExc_ValueError, "bf16 attention needs the avx512_bf16 kernels; this process runs %s", isa_name(kIsa));
-  return nullptr;
+  TORCH_CHECK_VALUE(false, "bf16 attention needs the avx512_bf16 kernels; this process runs ", isa_name(kIsa));
 }
 
-// quantize_rows(ints) = (x, x_bf16, x_row_stride, q, scale, m, k, threads)
-PyObject* quantize_rows(PyObject*, PyObject* args) {
-  int64_t x[8];
-  if (!parse_ints(args, "quantize_rows", 8, x, nullptr)) return nullptr;
-  QuantArgs a{ptr<const void>(x[0]), x[2], ptr<int8_t>(x[3]), ptr<float>(x[4]), x[5], x[6], x[1] != 0};
-  if (!non_negative("quantize_rows", {a.m, a.k})) return nullptr;
+void run_quantize_rows(const QuantArgs& a, int64_t threads) {
+  non_negative("quantize_rows", {a.m, a.k});
   static const Kernel<QuantArgs> kernels[kIsas] = TTFTC_BY_ISA(quantize_rows_any);
-  return run("quantize_rows", kernels, a, x[7]);
+  launch("quantize_rows", kernels, a, threads);
 }
 
-// norm(ints, eps): ints = (x, residual, residual_out, weight, bias, q, scale, out, m, k, x_bf16, w_bf16, layer,
-// round_product, threads); absent pointers are 0; q and scale, or out (in the promoted dtype of x and weight).
-PyObject* norm(PyObject*, PyObject* args) {
-  int64_t x[15];
-  double eps;
-  if (!parse_ints(args, "norm", 15, x, &eps)) return nullptr;
-  NormArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<void>(x[2]), ptr<const void>(x[3]),
-             ptr<const void>(x[4]), ptr<int8_t>(x[5]), ptr<float>(x[6]), ptr<void>(x[7]), x[8], x[9],
-             x[10] != 0, x[11] != 0, x[12] != 0, x[13] != 0, float(eps)};
-  if (!non_negative("norm", {a.m, a.k})) return nullptr;
+void run_norm(const NormArgs& a, int64_t threads) {
+  non_negative("norm", {a.m, a.k});
   static const Kernel<NormArgs> kernels[kIsas] = TTFTC_BY_ISA(norm_any);
-  return run("norm", kernels, a, x[14]);
+  launch("norm", kernels, a, threads);
 }
 
-// gated_act(ints) = (x, x_row_stride, out, m, inter, act, bf16, threads)
-PyObject* gated_act(PyObject*, PyObject* args) {
-  int64_t x[8];
-  if (!parse_ints(args, "gated_act", 8, x, nullptr)) return nullptr;
-  GatedActArgs a{ptr<const void>(x[0]), x[1], ptr<void>(x[2]), x[3], x[4], int(x[5]), x[6] != 0};
-  if (!non_negative("gated_act", {a.m, a.inter})) return nullptr;
+void run_gated_act(const GatedActArgs& a, int64_t threads) {
+  non_negative("gated_act", {a.m, a.inter});
   static const Kernel<GatedActArgs> kernels[kIsas] = TTFTC_BY_ISA(gated_act_any);
-  return run("gated_act", kernels, a, x[7]);
+  launch("gated_act", kernels, a, threads);
 }
 
-// rope(ints) = (x, cos, sin, out, batch, heads, seq, head_dim, x strides b/h/s, cos strides, sin strides, out
-// strides, bf16, threads)
-PyObject* rope(PyObject*, PyObject* args) {
-  int64_t x[22];
-  if (!parse_ints(args, "rope", 22, x, nullptr)) return nullptr;
-  RopeArgs a{ptr<const void>(x[0]), ptr<const void>(x[1]), ptr<const void>(x[2]), ptr<void>(x[3]), x[4], x[5], x[6],
-             x[7], {x[8], x[9], x[10]}, {x[11], x[12], x[13]}, {x[14], x[15], x[16]}, {x[17], x[18], x[19]},
-             x[20] != 0};
-  if (!non_negative("rope", {a.batch, a.h, a.s, a.d})) return nullptr;
+void run_rope(const RopeArgs& a, int64_t threads) {
+  non_negative("rope", {a.batch, a.h, a.s, a.d});
   static const Kernel<RopeArgs> kernels[kIsas] = TTFTC_BY_ISA(rope_any);
-  return run("rope", kernels, a, x[21]);
+  launch("rope", kernels, a, threads);
 }
 
-// dequant(ints) = (acc, acc_row_stride, x_scale, w_scale, bias or 0, out, out_row_stride, m, n, out_bf16, threads)
-PyObject* dequant(PyObject*, PyObject* args) {
-  int64_t x[11];
-  if (!parse_ints(args, "dequant", 11, x, nullptr)) return nullptr;
-  DequantArgs a{ptr<const int32_t>(x[0]), x[1], ptr<const float>(x[2]), ptr<const float>(x[3]),
-                ptr<const float>(x[4]), ptr<void>(x[5]), x[6], x[7], x[8], x[9] != 0};
-  if (!non_negative("dequant", {a.m, a.n})) return nullptr;
+void run_dequant(const DequantArgs& a, int64_t threads) {
+  non_negative("dequant", {a.m, a.n});
   static const Kernel<DequantArgs> kernels[kIsas] = TTFTC_BY_ISA(dequant_any);
-  return run("dequant", kernels, a, x[10]);
+  launch("dequant", kernels, a, threads);
 }
 
-// gated_quant(ints) = (acc, x_scale, w_scale, bias or 0, q, scale, m, inter, act, threads)
-PyObject* gated_quant(PyObject*, PyObject* args) {
-  int64_t x[10];
-  if (!parse_ints(args, "gated_quant", 10, x, nullptr)) return nullptr;
-  GatedQuantArgs a{ptr<const int32_t>(x[0]), ptr<const float>(x[1]), ptr<const float>(x[2]), ptr<const float>(x[3]),
-                   ptr<int8_t>(x[4]), ptr<float>(x[5]), x[6], x[7], int(x[8])};
-  if (!non_negative("gated_quant", {a.m, a.inter})) return nullptr;
+void run_gated_quant(const GatedQuantArgs& a, int64_t threads) {
+  non_negative("gated_quant", {a.m, a.inter});
   static const Kernel<GatedQuantArgs> kernels[kIsas] = TTFTC_BY_ISA(gated_quant_any);
-  return run("gated_quant", kernels, a, x[9]);
+  launch("gated_quant", kernels, a, threads);
 }
 
 bool int8_vnni() { return kHasVnni && (kIsa == Isa::avx512 || kIsa == Isa::avx512_bf16); }
 
-// int8_gemm(ints) = (x, x_row_stride, packed, out, out_row_stride, x_scale, w_scale, bias or 0, m, n, k, out_kind,
-// block_m, block_nv, threads): out = x [M, K] s8 . packed weight [N, K] s8, as int32 (out_kind 0) or dequantised
-// (acc * w_scale * x_scale + bias) as fp32 (1) or bf16 (2). See int8_gemm_kernel.h.
-PyObject* int8_gemm(PyObject*, PyObject* args) {
-  int64_t x[15];
-  if (!parse_ints(args, "int8_gemm", 15, x, nullptr)) return nullptr;
-  Int8GemmArgs a{ptr<const int8_t>(x[0]), x[1], ptr<const int8_t>(x[2]), 0, ptr<void>(x[3]), x[4],
-                 ptr<const float>(x[5]), ptr<const float>(x[6]), ptr<const float>(x[7]), x[8], x[9], x[10],
-                 int(std::min<int64_t>(std::max<int64_t>(x[11], -1), 3)), x[12], x[13]};
-  if (!non_negative("int8_gemm", {a.x_rs, a.out_rs, a.m, a.n, a.k})) return nullptr;
-  if (a.out_kind < 0 || a.out_kind > 2 || a.block_m < 1 || a.block_nv < 1) {
-    PyErr_Format(PyExc_ValueError, "int8_gemm: out_kind %lld must be 0, 1 or 2 and blocks (%lld, %lld) positive",
-                 (long long)x[11], (long long)a.block_m, (long long)a.block_nv);
-    return nullptr;
-  }
+// out = x [M, K] s8 . packed weight [N, K] s8, as int32 (out_kind 0) or dequantised (acc * w_scale * x_scale + bias)
+// as fp32 (1) or bf16 (2). See int8_gemm_kernel.h. Fills in a.panel.
+void run_int8_gemm(Int8GemmArgs a, int64_t threads) {
+  non_negative("int8_gemm", {a.x_rs, a.out_rs, a.m, a.n, a.k});
+  TORCH_CHECK_VALUE(a.out_kind >= 0 && a.out_kind <= 2 && a.block_m >= 1 && a.block_nv >= 1, "int8_gemm: out_kind ",
+                    a.out_kind, " must be 0, 1 or 2 and blocks (", a.block_m, ", ", a.block_nv, ") positive");
   // The kernel's own offsets: a panel's bytes, every panel, the last row of x and out, and the count of work items
   // (row blocks x column blocks), all within int64.
   const int64_t groups = a.k / 4 + (a.k % 4 != 0), vecs = a.n / 8 + (a.n % 8 != 0);
   const int64_t m_blocks = a.m / a.block_m + (a.m % a.block_m != 0);
   const int64_t n_blocks = vecs / a.block_nv + (vecs % a.block_nv != 0);
   int64_t packed_bytes, x_end, out_end, items;
-  if (__builtin_mul_overflow(groups, int64_t(32), &a.panel) || __builtin_mul_overflow(vecs, a.panel, &packed_bytes) ||
-      __builtin_mul_overflow(a.m, a.x_rs, &x_end) || __builtin_add_overflow(x_end, a.k, &x_end) ||
-      __builtin_mul_overflow(a.m, a.out_rs, &out_end) || __builtin_add_overflow(out_end, a.n, &out_end) ||
-      __builtin_mul_overflow(m_blocks, n_blocks, &items)) {
-    PyErr_SetString(PyExc_ValueError, "int8_gemm: the operands' sizes overflow int64");
-    return nullptr;
-  }
+  TORCH_CHECK_VALUE(
+      !(__builtin_mul_overflow(groups, int64_t(32), &a.panel) || __builtin_mul_overflow(vecs, a.panel, &packed_bytes) ||
+        __builtin_mul_overflow(a.m, a.x_rs, &x_end) || __builtin_add_overflow(x_end, a.k, &x_end) ||
+        __builtin_mul_overflow(a.m, a.out_rs, &out_end) || __builtin_add_overflow(out_end, a.n, &out_end) ||
+        __builtin_mul_overflow(m_blocks, n_blocks, &items)),
+      "int8_gemm: the operands' sizes overflow int64");
 #ifdef TTFTC_X86
   if (int8_vnni()) {
     static const Kernel<Int8GemmArgs> kernels[kIsas] = {nullptr, nullptr, isa_avx512_vnni::int8_gemm,
                                                         isa_avx512_vnni::int8_gemm};
-    return run("int8_gemm", kernels, a, x[14]);
+    return launch("int8_gemm", kernels, a, threads);
   }
 #endif
   static const Kernel<Int8GemmArgs> kernels[kIsas] = TTFTC_BY_ISA(int8_gemm);
-  return run("int8_gemm", kernels, a, x[14]);
+  launch("int8_gemm", kernels, a, threads);
 }
+
+// --- the operators, torch.ops.ttftc_native.* ------------------------------------------------------------------
+// Anyone can call these (Inductor's generated code, a user), so each checks what it is given (device, dtype, shape,
+// a unit stride along the last dimension) before it takes a pointer; ttftc/codegen/cpu/_native.py's wrappers check
+// the same first, with the messages the lowerings report.
+
+const at::Tensor* present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined() ? &*t : nullptr; }
+
+template <class T = void>
+T* address(const std::optional<at::Tensor>& t) { return present(t) ? static_cast<T*>(t->data_ptr()) : nullptr; }
+
+void on_cpu(const char* op, const char* what, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", what, " is on ", t.device(), ", not the CPU");
+}
+
+void on_cpu(const char* op, const char* what, const std::optional<at::Tensor>& t) {
+  if (present(t)) on_cpu(op, what, *t);
+}
+
+bool float_or_bf16(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+
+bool unit_rows(const at::Tensor& t) { return t.numel() == 0 || t.stride(-1) == 1; }
+
+// t is a contiguous tensor of this dtype and these sizes.
+bool is_block(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes) {
+  return t.scalar_type() == dtype && t.sizes() == sizes && t.is_contiguous();
+}
+
+bool is_block(const std::optional<at::Tensor>& t, at::ScalarType dtype, at::IntArrayRef sizes) {
+  return present(t) && is_block(*t, dtype, sizes);
+}
+
+int activation_code(const char* op, c10::string_view act) {
+  if (act == "silu") return 0;
+  if (act == "gelu_tanh") return 1;
+  if (act == "relu") return 2;
+  TORCH_CHECK_VALUE(false, op, ": activation ", std::string(act), " is none of silu, gelu_tanh, relu");
+}
+
+void attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                  const std::optional<at::Tensor>& kv_len, bool causal, double scale, int64_t q_offset, int64_t window,
+                  int64_t block_k, int64_t threads, bool pack_kv) {
+  const char* op = "attention";
+  on_cpu(op, "q", q), on_cpu(op, "k", k), on_cpu(op, "v", v), on_cpu(op, "out", out), on_cpu(op, "kv_len", kv_len);
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && out.dim() == 4, "attention: q, k, v and out "
+                    "must be 4-D");
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK_VALUE(float_or_bf16(q) && k.scalar_type() == dtype && v.scalar_type() == dtype &&
+                    out.scalar_type() == dtype, "attention: q, k, v and out must share one dtype, fp32 or bf16");
+  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3);
+  const int64_t hkv = k.size(1), skv = k.size(2), dv = v.size(3);
+  TORCH_CHECK_VALUE(k.size(0) == b && k.size(3) == d && v.size(0) == b && v.size(1) == hkv && v.size(2) == skv &&
+                    out.sizes() == at::IntArrayRef({b, hq, sq, dv}), "attention: q ", q.sizes(), ", k ", k.sizes(),
+                    ", v ", v.sizes(), " and out ", out.sizes(), " do not fit together");
+  TORCH_CHECK_VALUE(d % 8 == 0 && dv % 8 == 0, "attention: head dims ", d, ", ", dv, " are not multiples of 8");
+  TORCH_CHECK_VALUE(unit_rows(q) && unit_rows(k) && unit_rows(v) && unit_rows(out), "attention: q, k, v and out "
+                    "need a contiguous last dimension");
+  TORCH_CHECK_VALUE(q_offset >= 0 && q_offset <= kMaxPosition - sq && skv <= kMaxPosition, "attention: positions "
+                    "past ", kMaxPosition, " (the masks compare positions as fp32)");
+  TORCH_CHECK_VALUE(!present(kv_len) || is_block(kv_len, at::kLong, {b}), "attention: kv_len must be a contiguous "
+                    "int64 tensor of shape (", b, ")");
+  AttentionArgs a;
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.o = out.data_ptr();
+  a.kv_len = address<const int64_t>(kv_len);
+  a.batch = b; a.hq = hq; a.hkv = hkv; a.sq = sq; a.skv = skv; a.d = d; a.dv = dv;
+  a.q_sb = q.stride(0); a.q_sh = q.stride(1); a.q_ss = q.stride(2);
+  a.k_sb = k.stride(0); a.k_sh = k.stride(1); a.k_ss = k.stride(2);
+  a.v_sb = v.stride(0); a.v_sh = v.stride(1); a.v_ss = v.stride(2);
+  a.o_sb = out.stride(0); a.o_sh = out.stride(1); a.o_ss = out.stride(2);
+  a.causal = causal; a.q_offset = q_offset; a.window = window; a.block_k = block_k;
+  a.scale = float(scale);
+  a.pack_kv = pack_kv;
+  run_attention(a, dtype == at::kBFloat16, threads, out.numel() == 0);
+}
+
+void quantize_rows_op(const at::Tensor& x, at::Tensor& q, at::Tensor& scale, int64_t threads) {
+  const char* op = "quantize_rows";
+  on_cpu(op, "x", x), on_cpu(op, "q", q), on_cpu(op, "scale", scale);
+  TORCH_CHECK_VALUE(x.dim() == 2 && float_or_bf16(x) && unit_rows(x), "quantize_rows: x must be fp32 or bf16 [M, K] "
+                    "rows with a unit stride, got ", x.scalar_type(), " ", x.sizes(), " strides ", x.strides());
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK_VALUE(is_block(q, at::kChar, {m, k}) && is_block(scale, at::kFloat, {m}), "quantize_rows: q must be "
+                    "contiguous int8 [", m, ", ", k, "] and scale contiguous fp32 [", m, "]");
+  const QuantArgs a{x.data_ptr(), x.stride(0), q.data_ptr<int8_t>(), scale.data_ptr<float>(), m, k,
+                    x.scalar_type() == at::kBFloat16};
+  check_threads(op, threads);
+  if (m) run_quantize_rows(a, threads);  // with k 0 too: such rows get the all-zero row's scale, 1e-8 / 127
+}
+
+void norm_op(const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& summed,
+             const at::Tensor& weight, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& q,
+             const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& out, bool layer, double eps,
+             int64_t threads) {
+  const char* op = "norm";
+  on_cpu(op, "x", x), on_cpu(op, "residual", residual), on_cpu(op, "summed", summed), on_cpu(op, "weight", weight);
+  on_cpu(op, "bias", bias), on_cpu(op, "q", q), on_cpu(op, "scale", scale), on_cpu(op, "out", out);
+  TORCH_CHECK_VALUE(x.dim() == 2 && float_or_bf16(x) && x.is_contiguous(), "norm: x must be contiguous fp32 or bf16 "
+                    "[M, K], got ", x.scalar_type(), " ", x.sizes());
+  const int64_t m = x.size(0), k = x.size(1);
+  const at::ScalarType dtype = x.scalar_type(), w_dtype = weight.scalar_type();
+  TORCH_CHECK_VALUE((w_dtype == at::kFloat || w_dtype == dtype) && is_block(weight, w_dtype, {k}), "norm: weight "
+                    "must be contiguous [", k, "] in fp32 or x's dtype");
+  if (layer) {
+    TORCH_CHECK_VALUE(w_dtype == dtype && is_block(bias, dtype, {k}), "norm: LayerNorm needs weight and bias of x's "
+                      "dtype");
+  } else {
+    TORCH_CHECK_VALUE(!present(bias), "norm: RMSNorm takes no bias");
+  }
+  TORCH_CHECK_VALUE(!present(residual) == !present(summed) &&
+                    (!present(residual) || (is_block(residual, dtype, x.sizes()) && is_block(summed, dtype, x.sizes()))),
+                    "norm: a residual and its sum with x come together, each contiguous and matching x");
+  const bool quantize = present(q) || present(scale);
+  if (quantize) {
+    TORCH_CHECK_VALUE(is_block(q, at::kChar, {m, k}) && is_block(scale, at::kFloat, {m}) && !present(out), "norm: "
+                      "quantising takes q, contiguous int8 [", m, ", ", k, "], and scale, contiguous fp32 [", m,
+                      "], and no out");
+  } else {
+    TORCH_CHECK_VALUE(is_block(out, c10::promoteTypes(dtype, w_dtype), {m, k}), "norm: out must be contiguous [", m,
+                      ", ", k, "] in the promoted dtype of x and weight");
+  }
+  check_threads(op, threads);
+  if (quantize && m && !k) {  // zero-width rows: the quantiser gives them the all-zero row's scale
+    return run_quantize_rows(QuantArgs{x.data_ptr(), k, address<int8_t>(q), address<float>(scale), m, k,
+                                       dtype == at::kBFloat16}, threads);
+  }
+  if (!m || !k) return;
+  const bool x_bf16 = dtype == at::kBFloat16, w_bf16 = w_dtype == at::kBFloat16;
+  const NormArgs a{x.data_ptr(), address<const void>(residual), address(summed), weight.data_ptr(),
+                   layer ? address<const void>(bias) : nullptr, address<int8_t>(q), address<float>(scale),
+                   address(out), m, k, x_bf16, w_bf16, layer, x_bf16 && w_bf16, float(eps)};
+  run_norm(a, threads);
+}
+
+void gated_act_op(const at::Tensor& gate_up, at::Tensor& out, c10::string_view act, int64_t threads) {
+  const char* op = "gated_act";
+  on_cpu(op, "gate_up", gate_up), on_cpu(op, "out", out);
+  TORCH_CHECK_VALUE(gate_up.dim() == 2 && float_or_bf16(gate_up) && unit_rows(gate_up) && gate_up.size(1) % 2 == 0,
+                    "gated_act: gate_up must be fp32 or bf16 [M, 2I] rows with a unit stride, got ",
+                    gate_up.scalar_type(), " ", gate_up.sizes(), " strides ", gate_up.strides());
+  const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2;
+  TORCH_CHECK_VALUE(is_block(out, gate_up.scalar_type(), {m, inter}), "gated_act: out must be contiguous [", m, ", ",
+                    inter, "] in gate_up's dtype");
+  const GatedActArgs a{gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, inter, activation_code(op, act),
+                       gate_up.scalar_type() == at::kBFloat16};
+  check_threads(op, threads);
+  if (m && inter) run_gated_act(a, threads);
+}
+
+void dequant_op(const at::Tensor& acc, const at::Tensor& x_scale, const at::Tensor& w_scale,
+                const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t threads) {
+  const char* op = "dequant";
+  on_cpu(op, "acc", acc), on_cpu(op, "x_scale", x_scale), on_cpu(op, "w_scale", w_scale), on_cpu(op, "bias", bias);
+  on_cpu(op, "out", out);
+  TORCH_CHECK_VALUE(acc.dim() == 2 && acc.scalar_type() == at::kInt && unit_rows(acc), "dequant: acc must be int32 "
+                    "[M, N] rows with a unit stride");
+  const int64_t m = acc.size(0), n = acc.size(1);
+  TORCH_CHECK_VALUE(is_block(x_scale, at::kFloat, {m}) && is_block(w_scale, at::kFloat, {n}) &&
+                    (!present(bias) || is_block(bias, at::kFloat, {n})), "dequant: scales (and bias) must be "
+                    "contiguous fp32 [", m, "] and [", n, "]");
+  TORCH_CHECK_VALUE(float_or_bf16(out) && is_block(out, out.scalar_type(), {m, n}), "dequant: out must be "
+                    "contiguous fp32 or bf16 [", m, ", ", n, "]");
+  const DequantArgs a{acc.data_ptr<int32_t>(), acc.stride(0), x_scale.data_ptr<float>(), w_scale.data_ptr<float>(),
+                      address<const float>(bias), out.data_ptr(), n, m, n, out.scalar_type() == at::kBFloat16};
+  check_threads(op, threads);
+  if (m && n) run_dequant(a, threads);
+}
+
+void gated_quant_op(const at::Tensor& acc, const at::Tensor& x_scale, const at::Tensor& w_scale,
+                    const std::optional<at::Tensor>& bias, at::Tensor& q, at::Tensor& scale, c10::string_view act,
+                    int64_t threads) {
+  const char* op = "gated_quant";
+  on_cpu(op, "acc", acc), on_cpu(op, "x_scale", x_scale), on_cpu(op, "w_scale", w_scale), on_cpu(op, "bias", bias);
+  on_cpu(op, "q", q), on_cpu(op, "scale", scale);
+  TORCH_CHECK_VALUE(acc.dim() == 2 && acc.scalar_type() == at::kInt && acc.is_contiguous() && acc.size(1) % 2 == 0,
+                    "gated_quant: acc must be contiguous int32 [M, 2I]");
+  const int64_t m = acc.size(0), two_i = acc.size(1), inter = two_i / 2;
+  TORCH_CHECK_VALUE(is_block(x_scale, at::kFloat, {m}) && is_block(w_scale, at::kFloat, {two_i}) &&
+                    (!present(bias) || is_block(bias, at::kFloat, {two_i})), "gated_quant: scales (and bias) must be "
+                    "contiguous fp32 [", m, "] and [", two_i, "]");
+  TORCH_CHECK_VALUE(is_block(q, at::kChar, {m, inter}) && is_block(scale, at::kFloat, {m}), "gated_quant: q must be "
+                    "contiguous int8 [", m, ", ", inter, "] and scale contiguous fp32 [", m, "]");
+  const GatedQuantArgs a{acc.data_ptr<int32_t>(), x_scale.data_ptr<float>(), w_scale.data_ptr<float>(),
+                         address<const float>(bias), q.data_ptr<int8_t>(), scale.data_ptr<float>(), m, inter,
+                         activation_code(op, act)};
+  check_threads(op, threads);
+  if (m) run_gated_quant(a, threads);  // with inter 0 too: such rows get the all-zero row's scale
+}
+
+void rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, int64_t threads) {
+  const char* op = "rope";
+  on_cpu(op, "x", x), on_cpu(op, "cos", cos), on_cpu(op, "sin", sin), on_cpu(op, "out", out);
+  TORCH_CHECK_VALUE(x.dim() == 4 && float_or_bf16(x) && x.size(3) % 2 == 0, "rope: x must be fp32 or bf16 "
+                    "[B, H, S, D] with an even D, got ", x.scalar_type(), " ", x.sizes());
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK_VALUE(cos.sizes() == x.sizes() && sin.sizes() == x.sizes() && out.sizes() == x.sizes() &&
+                    cos.scalar_type() == dtype && sin.scalar_type() == dtype && out.scalar_type() == dtype,
+                    "rope: cos, sin (broadcast views welcome) and out must have x's shape and dtype");
+  TORCH_CHECK_VALUE(unit_rows(x) && unit_rows(cos) && unit_rows(sin) && unit_rows(out), "rope: x, cos, sin and out "
+                    "need a unit stride along the head dimension");
+  const RopeArgs a{x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), x.size(0), x.size(1), x.size(2),
+                   x.size(3), {x.stride(0), x.stride(1), x.stride(2)}, {cos.stride(0), cos.stride(1), cos.stride(2)},
+                   {sin.stride(0), sin.stride(1), sin.stride(2)}, {out.stride(0), out.stride(1), out.stride(2)},
+                   dtype == at::kBFloat16};
+  check_threads(op, threads);
+  if (out.numel()) run_rope(a, threads);
+}
+
+void int8_gemm_op(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& x_scale,
+                  const std::optional<at::Tensor>& w_scale, const std::optional<at::Tensor>& bias, at::Tensor& out,
+                  int64_t block_rows, int64_t block_vecs, int64_t threads) {
+  const char* op = "int8_gemm";
+  on_cpu(op, "x", x), on_cpu(op, "packed", packed), on_cpu(op, "x_scale", x_scale), on_cpu(op, "w_scale", w_scale);
+  on_cpu(op, "bias", bias), on_cpu(op, "out", out);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kChar && unit_rows(x), "int8_gemm: x must be int8 [M, K] "
+                    "rows with a unit stride");
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous(), "int8_gemm: out must be "
+                    "contiguous [", x.size(0), ", N]");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  const at::ScalarType out_dtype = out.scalar_type();
+  const int64_t out_kind = out_dtype == at::kInt ? 0 : out_dtype == at::kFloat ? 1 : out_dtype == at::kBFloat16 ? 2 : -1;
+  TORCH_CHECK_VALUE(out_kind >= 0, "int8_gemm: out must be int32, fp32 or bf16, not ", out_dtype);
+  const int64_t vecs = n / 8 + (n % 8 != 0), groups = k / 4 + (k % 4 != 0);
+  TORCH_CHECK_VALUE(is_block(packed, at::kChar, {vecs, groups, 8, 4}), "int8_gemm: packed must be pack_int8_weight's "
+                    "contiguous int8 [", vecs, ", ", groups, ", 8, 4] for a [", n, ", ", k, "] weight, got ",
+                    packed.scalar_type(), " ", packed.sizes());
+  if (out_kind) {
+    TORCH_CHECK_VALUE(is_block(x_scale, at::kFloat, {m}) && is_block(w_scale, at::kFloat, {n}) &&
+                      (!present(bias) || is_block(bias, at::kFloat, {n})), "int8_gemm: a dequantised output needs "
+                      "scales (and takes a bias), contiguous fp32 [", m, "] and [", n, "]");
+  } else {
+    TORCH_CHECK_VALUE(!present(x_scale) && !present(w_scale) && !present(bias), "int8_gemm: an int32 output takes no "
+                      "scales and no bias");
+  }
+  const Int8GemmArgs a{x.data_ptr<int8_t>(), m > 1 ? x.stride(0) : k, packed.data_ptr<int8_t>(), 0, out.data_ptr(), n,
+                       address<const float>(x_scale), address<const float>(w_scale), address<const float>(bias), m, n,
+                       k, int(out_kind), block_rows, block_vecs};
+  check_threads(op, threads);
+  if (m && n) run_int8_gemm(a, threads);
+}
+
+// --- the module: process-wide switches, not kernels ---------------------------------------------------------
 
 // The version int8_gemm runs in this process: "avx512_vnni", "avx2" (the AVX2 kernel, also under the AVX-512 ISAs
 // of a CPU without VNNI) or "base".
@@ -638,14 +800,7 @@ PyObject* set_isa(PyObject*, PyObject* args) {
 PyObject* source_digest(PyObject*, PyObject*) { return PyUnicode_FromString(TTFTC_SOURCE_DIGEST); }
 
 PyMethodDef kMethods[] = {
-    {"attention", attention, METH_VARARGS, "Exact attention forward, fp32 or bf16 (attention_kernel.h)."},
-    {"quantize_rows", quantize_rows, METH_VARARGS, "Symmetric int8 per row (see rows_kernel.h)."},
-    {"norm", norm, METH_VARARGS, "Residual add, RMSNorm/LayerNorm, then int8 per row or the rows (rows_kernel.h)."},
-    {"gated_act", gated_act, METH_VARARGS, "act(gate) * up of a gate|up matrix, contiguous (see rows_kernel.h)."},
-    {"rope", rope, METH_VARARGS, "Rotary embedding, rotate-half form (see rope_kernel.h)."},
-    {"dequant", dequant, METH_VARARGS, "int32 accumulator to float with per-row and per-column scales."},
-    {"gated_quant", gated_quant, METH_VARARGS, "Dequant, act(gate) * up, int8 per row (see rows_kernel.h)."},
-    {"int8_gemm", int8_gemm, METH_VARARGS, "Exact s8 x s8 GEMM on a packed weight, int32 or dequantised."},
+    // The kernels themselves are torch.ops.ttftc_native.* (TORCH_LIBRARY below).
     {"int8_gemm_isa", int8_gemm_isa, METH_NOARGS, "The version of int8_gemm this process runs."},
     {"isa", isa, METH_NOARGS, "The instruction set the kernels run with on this CPU."},
     {"use_openmp", use_openmp, METH_VARARGS, "Run parallel kernels on this already-loaded OpenMP runtime."},
@@ -659,3 +814,31 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_kernels", "ttftc's native
 }  // namespace
 
 PyMODINIT_FUNC PyInit__native_kernels(void) { return PyModule_Create(&kModule); }
+
+// Mutated arguments are declared (a!): every kernel writes into buffers its caller allocated, as ATen's out= ops do.
+TORCH_LIBRARY(ttftc_native, m) {
+  m.set_python_module("ttftc.codegen.cpu._native");  // where the fakes are registered
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? kv_len, bool causal, float scale, "
+        "int q_offset, int window, int block_k, int threads, bool pack_kv) -> ()");
+  m.def("quantize_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale, int threads) -> ()");
+  m.def("norm(Tensor x, Tensor? residual, Tensor(a!)? summed, Tensor weight, Tensor? bias, Tensor(b!)? q, "
+        "Tensor(c!)? scale, Tensor(d!)? out, bool layer, float eps, int threads) -> ()");
+  m.def("gated_act(Tensor gate_up, Tensor(a!) out, str act, int threads) -> ()");
+  m.def("dequant(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias, Tensor(a!) out, int threads) -> ()");
+  m.def("gated_quant(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias, Tensor(a!) q, Tensor(b!) scale, "
+        "str act, int threads) -> ()");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out, int threads) -> ()");
+  m.def("int8_gemm(Tensor x, Tensor packed, Tensor? x_scale, Tensor? w_scale, Tensor? bias, Tensor(a!) out, "
+        "int block_rows, int block_vecs, int threads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ttftc_native, CPU, m) {
+  m.impl("attention", &attention_op);
+  m.impl("quantize_rows", &quantize_rows_op);
+  m.impl("norm", &norm_op);
+  m.impl("gated_act", &gated_act_op);
+  m.impl("dequant", &dequant_op);
+  m.impl("gated_quant", &gated_quant_op);
+  m.impl("rope", &rope_op);
+  m.impl("int8_gemm", &int8_gemm_op);
+}

@@ -12,6 +12,9 @@ Resources, per compiled kernel:
   (`n_regs`/`n_spills` on the compiled kernel exist only after a driver loaded it);
 - AMD registers and spills: `.vgpr_count` (AGPRs included on gfx90a and later), `.sgpr_count`, `.vgpr_spill_count`,
   `.sgpr_spill_count` and `.private_segment_fixed_size` (scratch bytes per lane) from the kernel's amdgcn metadata.
+
+Importing this module imports triton, which decides then whether its own @jit helpers are interpreted: only
+kernel_check's compile workers import it, after clearing TRITON_INTERPRET (compile_worker.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
+
+import triton
+from triton import knobs
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
 from ttftc.codegen.triton.launch import KernelLaunch, specialize
 from ttftc.codegen.triton.targets import Target, triton_gpu_target
@@ -53,10 +62,6 @@ def compile_launch(launch: KernelLaunch, target: Target) -> CompileResult:
     """Compile `launch` for `target`; a compiler error is a result (ok=False), not an exception."""
     if not target.is_gpu:
         raise ValueError(f"{target.name} is a {target.backend} target: use ttftc.codegen.triton.tools.ascend_lowering")
-    import triton
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
     if not isinstance(launch.kernel, JITFunction):
         raise RuntimeError(f"{launch.name} was decorated for the interpreter (TRITON_INTERPRET=1 when its module "
                            "was imported): compile in a process without it, as "
@@ -84,14 +89,10 @@ def _one_paragraph(exc: Exception) -> str:
 
 
 def _nvidia_tool(name: str) -> str:
-    from triton import knobs
-
     return getattr(knobs.nvidia, name).path
 
 
 def _ptxas_for(arch: int) -> str:
-    from triton.backends.nvidia.compiler import get_ptxas
-
     return get_ptxas(arch).path
 
 
@@ -118,8 +119,6 @@ def _nvidia_resources(compiled, target: Target) -> Resources:
 
 
 def _ptxas_spill_bytes(ptx: str, arch: int) -> tuple[int, str]:
-    from triton.backends.nvidia.compiler import sm_arch_from_capability
-
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:

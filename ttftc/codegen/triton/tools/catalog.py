@@ -21,9 +21,17 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.fx as fx
 
+from ttftc.autotune.space import Problem
+import ttftc.codegen.providers  # noqa: F401  (importing it registers every lowering and search space)
+from ttftc.codegen.registry import LoweringContext, lowerings_for
+from ttftc.codegen.triton import attention, ffn, int8_linear, norm, rope
+from ttftc.codegen.triton.ascend_device import AscendDevice
+from ttftc.codegen.triton.attention_ascend import ascend_attention_space
 from ttftc.codegen.triton.launch import KernelLaunch
 from ttftc.codegen.triton.targets import Target
+from ttftc.ops.registry import op_name_of
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 FLOAT_DTYPES = tuple(DTYPE_NAMES)
@@ -84,8 +92,6 @@ def _attention_inputs(head_dim: int, dtype: torch.dtype, with_kv_len: bool):
 
 
 def _attention_cases(target: Target, defaults_only: bool) -> Iterator[KernelCase]:
-    from ttftc.codegen.triton import attention
-
     for head_dim in ATTENTION_HEAD_DIMS:
         for dtype in FLOAT_DTYPES:
             default = attention.default_config(head_dim, dtype, "cuda", target)
@@ -108,11 +114,6 @@ def _attention_cases(target: Target, defaults_only: bool) -> Iterator[KernelCase
 
 def ascend_attention_cases(target: Target, defaults_only: bool) -> Iterator[KernelCase]:
     """The persistent attention kernel with the configs of the triton-ascend search space on `target`."""
-    from ttftc.autotune.space import Problem
-    from ttftc.codegen.triton import attention
-    from ttftc.codegen.triton.ascend_device import AscendDevice
-    from ttftc.codegen.triton.attention_ascend import ascend_attention_space
-
     device = AscendDevice.from_target(target)
     space = ascend_attention_space(lambda: device)
     for head_dim in ATTENTION_HEAD_DIMS:
@@ -143,8 +144,6 @@ _GEMM_ACT_VARIANTS = {  # name -> (gated, act, bias)
 
 
 def _gemm_act_cases(defaults_only: bool) -> Iterator[KernelCase]:
-    from ttftc.codegen.triton import ffn
-
     variants = ["gated silu"] if defaults_only else list(_GEMM_ACT_VARIANTS)
     for dtype in FLOAT_DTYPES:
         for variant in variants:
@@ -177,8 +176,6 @@ def ascend_norm_fits(hidden: int, dtype: torch.dtype, target: Target) -> bool:
 
 
 def _norm_cases(target: Target, defaults_only: bool) -> Iterator[KernelCase]:
-    from ttftc.codegen.triton import norm
-
     # Without tuning every width is a default; the quick check keeps the model's width and the widest row.
     widths = (1024, NORM_HIDDEN_SIZES[-1]) if defaults_only else NORM_HIDDEN_SIZES
     variants = ["rms residual"] if defaults_only else list(_NORM_VARIANTS)
@@ -204,8 +201,6 @@ def _norm_cases(target: Target, defaults_only: bool) -> Iterator[KernelCase]:
 # -- int8 linear -------------------------------------------------------------------------------------------------
 
 def _int8_cases(defaults_only: bool) -> Iterator[KernelCase]:
-    from ttftc.codegen.triton import int8_linear
-
     for out_dtype in FLOAT_DTYPES:
         for bias in ([False] if defaults_only else [False, True]):
             def build(out_dtype=out_dtype, bias=bias):
@@ -231,8 +226,6 @@ def _int8_cases(defaults_only: bool) -> Iterator[KernelCase]:
 # -- rope ----------------------------------------------------------------------------------------------------------
 
 def _rope_cases(target: Target, defaults_only: bool) -> Iterator[KernelCase]:
-    from ttftc.codegen.triton import rope
-
     if target.backend == "npu":
         return  # on Ascend, torch_npu's npu_rotary_mul runs RoPE (codegen/npu/rope.py)
     for dtype in FLOAT_DTYPES:
@@ -274,9 +267,6 @@ class KernelChoice:
 
 def _triton_refusal(op: str, target: Target, args: tuple, kwargs: dict) -> Optional[str]:
     """The Triton lowering's own capability answer for these operands on the target's device type."""
-    from ttftc.codegen.lowering import LoweringContext, load_providers, lowerings_for
-
-    load_providers()
     entry = next((e for e in lowerings_for(op) if e.provider == "triton"), None)
     if entry is None:
         return "no Triton lowering: the vendor library (or torch) runs it"
@@ -292,8 +282,6 @@ def _triton_refusal(op: str, target: Target, args: tuple, kwargs: dict) -> Optio
 def kernel_choice(op: str, args: tuple, kwargs: dict, target: Target) -> KernelChoice:
     """What the Triton lowering of ttftc op `op` would launch on `target` for these operands (meta values),
     untuned: the kernel, its config, and how many configs the tuner could search instead."""
-    from ttftc.codegen.triton import attention, ffn, int8_linear, norm, rope
-
     refusal = _triton_refusal(op, target, args, kwargs)
     if refusal is not None:
         return KernelChoice("no Triton kernel", {}, refusal)
@@ -302,10 +290,6 @@ def kernel_choice(op: str, args: tuple, kwargs: dict, target: Target) -> KernelC
         head_dim, q_len = int(q.shape[-1]), int(q.shape[2])
         shape = f"head_dim={head_dim} {DTYPE_NAMES.get(q.dtype, q.dtype)} q_len={q_len}"
         if target.backend == "npu":
-            from ttftc.autotune.space import Problem
-            from ttftc.codegen.triton.ascend_device import AscendDevice
-            from ttftc.codegen.triton.attention_ascend import ascend_attention_space
-
             space = ascend_attention_space(lambda: AscendDevice.from_target(target))
             allowed, _ = space.candidates(Problem.from_meta("attention", "triton", tuple(args), dict(kwargs)))
             return KernelChoice("_attention_fwd_persistent", allowed[0],
@@ -340,10 +324,6 @@ def kernel_choice(op: str, args: tuple, kwargs: dict, target: Target) -> KernelC
 
 def graph_kernel_choices(graphs, target: Target) -> list[tuple[str, int, KernelChoice]]:
     """(op, how many nodes, choice) for every distinct choice among the ttftc op nodes of lowered graphs."""
-    import torch.fx as fx
-
-    from ttftc.ops.registry import op_name_of
-
     def concrete(v):
         # Graphs compiled with dynamic shapes hold SymInts: their hints are the sizes this compile saw.
         if isinstance(v, torch.SymInt):

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from ttftc.codegen.triton.tools.aot import CompileResult, compile_launch
-from ttftc.codegen.triton.tools.catalog import KernelCase, kernel_cases
 from ttftc.codegen.triton.targets import Target
+from ttftc.codegen.triton.tools import compile_worker
+from ttftc.codegen.triton.tools.ascend_lowering import ensure_venv, lower_in_venv
+from ttftc.codegen.triton.tools.catalog import KernelCase, kernel_cases
+
+if TYPE_CHECKING:
+    from ttftc.codegen.triton.tools.aot import CompileResult
 
 
 @dataclass(frozen=True)
@@ -73,23 +76,19 @@ def _cases(target: Target, ops: Optional[tuple[str, ...]], defaults_only: bool) 
 
 def _check_one(target: Target, ops: Optional[tuple[str, ...]], defaults_only: bool, index: int) -> CheckedCase:
     # Cases hold closures, which do not pickle: a worker rebuilds the (deterministic) list and takes its index.
+    from ttftc.codegen.triton.tools.aot import compile_launch  # lazy: triton, absent where only Ascend is lowered
+
     case = _cases(target, ops, defaults_only)[index]
     return _checked(case, target, compile_launch(case.build(), target))
 
 
-def _compiler_process() -> None:
-    # Under TRITON_INTERPRET=1 (how the tests run kernels on CPU) @triton.jit builds interpreter stand-ins when a
-    # kernel module is imported, and those cannot be compiled: compile in fresh processes that never see it.
-    os.environ.pop("TRITON_INTERPRET", None)
-
-
 def check_gpu(target: Target, *, ops: Optional[tuple[str, ...]] = None, defaults_only: bool = False,
               jobs: int = 1, progress: Optional[Callable[[CheckedCase], None]] = None) -> list[CheckedCase]:
-    """Compile every case for a GPU target in `jobs` worker processes (started fresh: see _compiler_process)."""
+    """Compile every case for a GPU target in `jobs` worker processes (started fresh: see compile_worker.py)."""
     count = len(_cases(target, ops, defaults_only))
     results = []
     with ProcessPoolExecutor(max(1, jobs), mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_compiler_process) as pool:
+                             initializer=compile_worker.start) as pool:
         futures = [pool.submit(_check_one, target, ops, defaults_only, i) for i in range(count)]
         for future in futures:
             results.append(future.result())
@@ -101,8 +100,6 @@ def check_gpu(target: Target, *, ops: Optional[tuple[str, ...]] = None, defaults
 def check_ascend(target: Target, *, ops: Optional[tuple[str, ...]] = None, defaults_only: bool = False,
                  build_venv: bool = False) -> list[CheckedCase]:
     """Lower every case for an Ascend target in triton-ascend's venv (built first when `build_venv`)."""
-    from ttftc.codegen.triton.tools.ascend_lowering import ensure_venv, lower_in_venv
-
     python = ensure_venv(build=build_venv)
     checked = []
     for r in lower_in_venv(target.name, ops=ops, defaults_only=defaults_only, python=python):

@@ -1,10 +1,10 @@
-"""graph_utils: the helpers every pass builds on."""
+"""fx_utils: the FX helpers every pass (and the lowering, capture and code generators) builds on."""
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 
 aten = torch.ops.aten
 

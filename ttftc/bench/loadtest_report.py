@@ -7,11 +7,7 @@ import io
 import json
 from pathlib import Path
 
-from ttftc.cache.atomic import write_bytes
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    write_bytes(Path(path), data)
+from ttftc.bench.report import pyplot, write_atomically
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -134,11 +130,7 @@ def write_comparison_markdown(docs: list[dict], path: str) -> None:
 
 def write_plot(doc: dict, path: str) -> None:
     """Left: each request's TTFT at its arrival time (the SLO as a line). Right: CDFs of TTFT and ITL."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     slo = doc["settings"]["slo_ttft_ms"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for kind, marker in (("short", "o"), ("long", "s")):

@@ -53,6 +53,7 @@ class LoadSpec:
     slo_ttft_ms: float = 700.0
     long_prompt_len: int = 0
     long_every_s: float = 0.0  # 0: one long prompt per run
+    long_priority: Optional[int] = None  # the long prompts' request `priority` (lower runs sooner); None: not sent
     model: Optional[str] = None  # None: the first model the server lists
     headers: tuple[tuple[str, str], ...] = ()
     seed: int = 0
@@ -75,6 +76,8 @@ class LoadSpec:
             raise ValueError(f"--long-every must be a finite number of seconds >= 0, got {self.long_every_s}")
         if self.long_every_s and not self.long_prompt_len:
             raise ValueError("--long-every needs --long-prompt-len")
+        if self.long_priority is not None and not self.long_prompt_len:
+            raise ValueError("--long-priority needs --long-prompt-len")
 
 
 @dataclass
@@ -111,6 +114,13 @@ class RequestResult:
         return (self.estimated_ttft_ms - measured_ms) / measured_ms if measured_ms > 0 else None
 
 
+def openai_module():
+    """The `openai` package, the client every measurement of a server here drives it with."""
+    import openai  # lazy: a dependency of the [dev] extra, not of ttftc; only the clients that measure need it
+
+    return openai
+
+
 def _prompt(rng: random.Random, shared: list[int], length: int, vocab: int) -> list[int]:
     return shared + [rng.randrange(vocab) for _ in range(length - len(shared))]
 
@@ -125,13 +135,15 @@ def _header_number(headers, name: str) -> Optional[float]:
 
 async def _one(client, model: str, spec: LoadSpec, result: RequestResult, prompt: list[int], start: float,
                headers: dict) -> None:
-    import openai
-
+    body = {"ignore_eos": True}
+    if result.kind == "long" and spec.long_priority is not None:
+        body["priority"] = spec.long_priority
+    rate_limited = openai_module().RateLimitError
     result.sent_s = time.perf_counter() - start
     try:
         async with client.completions.with_streaming_response.create(
                 model=model, prompt=prompt, max_tokens=spec.max_tokens, temperature=0.0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, extra_headers=headers,
+                stream_options={"include_usage": True}, extra_body=body, extra_headers=headers,
                 timeout=spec.request_timeout_s) as response:
             result.estimated_ttft_ms = _header_number(response.headers, ESTIMATE_HEADER)
             async for chunk in await response.parse():
@@ -146,7 +158,7 @@ async def _one(client, model: str, spec: LoadSpec, result: RequestResult, prompt
                             result.first_token_s = now
                         result.token_times_s.append(now)
                         result.output_tokens += max(1, len(ids))
-    except openai.RateLimitError as exc:  # refused by admission control: a result of its own, not an error
+    except rate_limited as exc:  # refused by admission control: a result of its own, not an error
         result.rejected = True
         result.retry_after_s = _header_number(exc.response.headers, "retry-after")
         result.estimated_ttft_ms = _header_number(exc.response.headers, ESTIMATE_HEADER)
@@ -169,9 +181,7 @@ async def _discover(client, spec: LoadSpec) -> tuple[str, int]:
 
 async def run_load(spec: LoadSpec) -> dict:
     """Run the load described by `spec` and return the report document (see loadtest_report)."""
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=spec.url.rstrip("/") + "/v1", api_key="ttftc-loadtest", max_retries=0,
+    client = openai_module().AsyncOpenAI(base_url=spec.url.rstrip("/") + "/v1", api_key="ttftc-loadtest", max_retries=0,
                                 timeout=spec.request_timeout_s)
     try:
         model, vocab = await _discover(client, spec)

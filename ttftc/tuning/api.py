@@ -1,5 +1,5 @@
 """`tune_model`: compile a model at each bucket length, collect its ttftc op instances, tune them, cache results;
-optionally then tune the chunk size of chunked prefill per bucket (autotune/chunking.py)."""
+optionally then tune the chunk size of chunked prefill per bucket (tuning/chunking.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ttftc.autotune.cache import AutotuneCache
-from ttftc.autotune.tuner import TuneResult, collect_problems, tune_instances
-from ttftc.dynamo_backend import TtftcBackend
 from ttftc.config import Config
+from ttftc.dynamo_backend import TtftcBackend
 from ttftc.ops.registry import all_ops
+from ttftc.tuning.chunking import TOLERANCE, tune_chunk_sizes
+from ttftc.tuning.tuner import TuneResult, collect_problems, tune_instances
 
 
 def check_ops(ops: Optional[Sequence[str]]) -> Optional[tuple[str, ...]]:
@@ -78,8 +79,6 @@ def tune_model(
 
 def _tune_chunks(model, buckets, chunk_sizes, *, config: Config, cache: AutotuneCache, budget_s: float, timer,
                  retune: bool, progress: bool) -> list[TuneResult]:
-    from ttftc.autotune.chunking import TOLERANCE, tune_chunk_sizes
-
     compiled = torch.compile(model, backend=TtftcBackend(config, autotune_cache=cache))
     # Every chunk size and KV length is a new shape to Dynamo: allow the recompiles rather than fall back to eager.
     try:

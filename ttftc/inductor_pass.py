@@ -4,14 +4,14 @@
 weights back to the graph module, capture.weights_as_attributes, so that Inductor can freeze them). Inductor
 captures the aten graph, folds the frozen weights into constants, runs its own post-grad passes and then
 `TtftcPostGradPass`: ttftc's passes and lowering (ttftc/pipeline.py), the same objects the eager code generator
-runs. What Inductor gets back is an ordinary graph of aten ops and custom ops: attention and the GEMMs are their
+runs; which is why this module sits beside the backend, above the pipeline, rather than in codegen/. What Inductor gets back is an ordinary graph of aten ops and custom ops: attention and the GEMMs are their
 chosen lowering's op (codegen/lowered_ops.py), which Inductor calls as an extern kernel; the glue-heavy ops are
 inlined as their decompositions (codegen/inductor/), and everything between the kernels (RoPE, residual adds, norms,
 casts, per-token quantisation, scale multiplies) is Inductor's to fuse into generated C++ or Triton.
 
 The pass is also what vLLM loads by name:
 
-    compilation_config = {"inductor_passes": {"post_grad_custom_post_pass": "ttftc.codegen.inductor_pass.post_grad_pass"}}
+    compilation_config = {"inductor_passes": {"post_grad_custom_post_pass": "ttftc.inductor_pass.post_grad_pass"}}
 
 `post_grad_pass` runs the default Config. Its `uuid()` joins Inductor's FX-graph cache key, so a change to any
 ttftc source file, to the Config or to the autotune cache's content compiles afresh.
@@ -31,12 +31,17 @@ import hashlib
 from typing import Callable, Optional, Sequence
 
 import torch.fx as fx
+from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.lowering import lowerings
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ttftc.autotune.cache import AutotuneCache
 from ttftc.codegen.lowered_ops import define_all as define_all_lowered_ops
 from ttftc.config import Config
-from ttftc.passes.graph_utils import inline_function
+from ttftc.fx_utils import inline_function
+from ttftc.pipeline import run_pipeline
 from ttftc.report import Report
 from ttftc.source_hash import ttftc_source_hash
 
@@ -52,8 +57,6 @@ class TtftcPostGradPass(CustomGraphPass):
         define_all_lowered_ops()
 
     def __call__(self, graph: fx.Graph) -> None:
-        from ttftc.pipeline import run_pipeline
-
         gm = graph.owning_module
         if gm is None:
             raise ValueError("ttftc's post-grad pass needs a graph owned by a GraphModule (Inductor's always is)")
@@ -68,8 +71,6 @@ class TtftcPostGradPass(CustomGraphPass):
     def uuid(self) -> str:
         parts = [ttftc_source_hash(), self.config.digest()]
         if self.config.autotune:
-            from ttftc.autotune.cache import AutotuneCache
-
             cache = self.autotune_cache if self.autotune_cache is not None else AutotuneCache()
             parts.append(cache.content_digest())
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
@@ -90,9 +91,6 @@ def decompose_for_inductor(gm: fx.GraphModule) -> None:
     Post-grad graphs are already decomposed when Inductor's passes see them, and its lowering refuses an op that
     has a decomposition; nodes the passes add must reach it in that form too.
     """
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.lowering import lowerings
-
     decompositions = select_decomp_table()
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target not in lowerings and node.target in decompositions:
@@ -110,6 +108,4 @@ def inductor_config_patches(post_pass: TtftcPostGradPass) -> dict:
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence, post_pass: TtftcPostGradPass) -> Callable:
-    from torch._inductor.compile_fx import compile_fx
-
     return compile_fx(gm, list(example_inputs), config_patches=inductor_config_patches(post_pass))

@@ -19,15 +19,16 @@ import torch
 from ttftc.autotune.cache import AutotuneCache
 from ttftc.autotune.keys import key_for
 from ttftc.autotune.space import Problem, SearchSpace, random_inputs, space_for
-from ttftc.autotune.timing import WallTimer
-from ttftc.codegen.lowering import load_providers, lowerings_for
+import ttftc.codegen.providers  # noqa: F401  (importing it registers every lowering and search space)
+from ttftc.codegen.registry import lowerings_for
 from ttftc.ops.registry import all_ops, get_op
+from ttftc.tuning.timing import WallTimer
 
 # Tolerances for accepting a candidate's output against the reference, per output dtype.
 _ACCEPT = {torch.float32: (1e-3, 1e-3), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
 # A candidate replaces the default only when its median is at least this much faster. Smaller measured gains are
 # within the noise of a shared machine, and winners by noise alone were seen to run slower inside the whole model
-# (llama-135m bf16, one `ttftc bench` run: configs picked for 0.3-2% kernel gains gave a 512-token p50 6% slower).
+# (benchmarks/README.md, autotune).
 MIN_GAIN = 0.03
 
 
@@ -159,7 +160,6 @@ def collect_problems(graph_modules: Iterable[torch.fx.GraphModule], bucket: Opti
 
 
 def _impl_for(op: str, provider: str) -> Optional[Callable]:
-    load_providers()
     return next((e.impl for e in lowerings_for(op) if e.provider == provider), None)
 
 
@@ -221,7 +221,7 @@ def _progress(total: int, *, enabled: bool):
     if not enabled:
         return _NoProgress()
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # lazy: optional dependency (the bench extra); without it there is no progress bar
     except ImportError:
         return _NoProgress()
     # tqdm shows elapsed time and the ETA from the candidates left.

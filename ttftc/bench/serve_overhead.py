@@ -1,6 +1,6 @@
 """What the HTTP layer adds to TTFT: one request at a time, `LLM.generate`'s TTFT against TTFT at the socket.
 
-    python -m ttftc.serve.overhead --model llama-135m --prompt-len 512 --repeats 10
+    python -m ttftc.bench.serve_overhead --model llama-135m --prompt-len 512 --repeats 10
 
 In one process: an LLM, then the same LLM behind `ttftc serve`'s app on a free 127.0.0.1 port. Each repeat sends
 a fresh random prompt (PRIVATE in-process, no tenant header at the socket: nothing is reused) first through
@@ -17,14 +17,16 @@ import statistics
 import time
 from typing import Optional, Sequence
 
+import torch
 
-def measure(llm, prompt_len: int, repeats: int, seed: int = 0) -> dict:
-    import openai
-    import torch
+from ttftc.llm import LLM
+from ttftc.runtime.prefix_cache import PRIVATE
+from ttftc.serve.app import create_app
+from ttftc.bench.loadtest import openai_module
+from ttftc.serve.server import BackgroundServer
 
-    from ttftc.runtime import PRIVATE
-    from ttftc.serve import BackgroundServer, create_app
 
+def measure(llm: LLM, prompt_len: int, repeats: int, seed: int = 0) -> dict:
     vocab = llm.engine.geometry.vocab_size
     generator = torch.Generator().manual_seed(seed)
 
@@ -33,7 +35,7 @@ def measure(llm, prompt_len: int, repeats: int, seed: int = 0) -> dict:
 
     in_process, at_socket = [], []
     with BackgroundServer(create_app(llm)) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="overhead", max_retries=0, timeout=300)
+        client = openai_module().OpenAI(base_url=server.url + "/v1", api_key="overhead", max_retries=0, timeout=300)
         for r in range(repeats + 1):  # the first round warms both paths and is not counted
             (result,) = llm.generate([fresh()], max_new_tokens=1, tenant=PRIVATE)
             start = time.perf_counter()
@@ -55,8 +57,6 @@ def measure(llm, prompt_len: int, repeats: int, seed: int = 0) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from ttftc.llm import LLM
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-135m")
     parser.add_argument("--prompt-len", type=int, default=512)

@@ -1,4 +1,5 @@
-"""Small, shared helpers for reading and rewriting aten FX graphs. Passes build their matchers from these."""
+"""Small, shared helpers for reading and rewriting aten FX graphs. Passes build their matchers from these; capture,
+lowering and the code generators use them too, which is why they sit below all of them rather than in passes/."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.operator_schemas import normalize_function
 
 aten = torch.ops.aten
@@ -90,8 +92,6 @@ def refresh_meta(gm: fx.GraphModule, node: fx.Node) -> None:
 def inline_function(gm: fx.GraphModule, node: fx.Node, fn, decompositions: Optional[dict] = None) -> None:
     """Replace `node` by the graph of `fn(*node.args, **node.kwargs)`, traced on the meta values of its tensor
     arguments (custom ops `fn` calls stay single nodes). A tuple result re-points the node's getitem users."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     flat, spec = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
     positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
 

@@ -10,7 +10,7 @@ import pytest
 import ttftc
 from ttftc.cli import main
 from ttftc.serve import BackgroundServer, create_app
-from ttftc.serve.loadtest import LoadSpec
+from ttftc.bench.loadtest import LoadSpec
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_open_loop_report_with_files(url, tmp_path, capsys):
 def test_closed_loop_measures_capacity(url):
     import asyncio
 
-    from ttftc.serve.loadtest import run_load
+    from ttftc.bench.loadtest import run_load
 
     doc = asyncio.run(run_load(LoadSpec(url=url, rate=math.inf, duration_s=1.0, prompt_len=16, max_tokens=2,
                                         concurrency=2)))
@@ -69,7 +69,7 @@ def test_bad_input_is_refused(url, capsys):
 def test_long_every_sends_a_long_prompt_every_s_seconds(url):
     import asyncio
 
-    from ttftc.serve.loadtest import run_load
+    from ttftc.bench.loadtest import run_load
 
     doc = asyncio.run(run_load(LoadSpec(url=url, rate=20, duration_s=2.0, prompt_len=12, max_tokens=2,
                                         long_prompt_len=200, long_every_s=0.6, seed=3)))
@@ -84,9 +84,29 @@ def test_long_every_sends_a_long_prompt_every_s_seconds(url):
     assert doc["settings"]["long_every_s"] == 0.6 and doc["summary"]["errors"] == 0
 
 
+def test_long_priority_goes_with_the_long_prompts_only(url):
+    import asyncio
+
+    from ttftc.bench.loadtest import run_load
+    from ttftc.llm import PRIORITY_MAX
+
+    def run(priority):
+        return asyncio.run(run_load(LoadSpec(url=url, rate=20, duration_s=0.5, prompt_len=12, max_tokens=2,
+                                             long_prompt_len=100, long_priority=priority, seed=4)))
+
+    # A priority the server refuses shows where the field went: on the long prompt, never on the short ones.
+    refused = run(PRIORITY_MAX + 1)
+    (long,) = refused["long"]
+    assert "priority" in long["error"] and refused["summary"]["errors"] == 0
+    accepted = run(5)
+    assert accepted["long"][0]["error"] is None and accepted["settings"]["long_priority"] == 5
+
+
 def test_long_every_is_checked(url, capsys):
     assert main(["loadtest", url, "--rate", "1", "--duration", "1", "--long-every", "5"]) == 2
     assert "--long-every needs --long-prompt-len" in capsys.readouterr().err
+    assert main(["loadtest", url, "--rate", "1", "--duration", "1", "--long-priority", "3"]) == 2
+    assert "--long-priority needs --long-prompt-len" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["loadtest", url, "--rate", "1", "--duration", "1", "--long-prompt-len", "9", "--long-every", "-1"])
 

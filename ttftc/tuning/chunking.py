@@ -29,7 +29,11 @@ import torch
 from ttftc.autotune.cache import AutotuneCache, TuneKey
 from ttftc.autotune.keys import device_name
 from ttftc.autotune.space import Problem
+from ttftc.dynamo_backend import TtftcBackend
 from ttftc.runtime.chunked import ChunkTable
+from ttftc.runtime.engine import PrefillEngine
+from ttftc.tuning.timing import WallTimer
+from ttftc.tuning.tuner import TuneResult, _progress, measure_candidates
 
 OP = "chunked_prefill"
 # Largest |chunked - whole| logit difference accepted, relative to the largest |logit|, per ttftc precision.
@@ -44,8 +48,6 @@ def _ttftc_backend_of(model) -> Optional[object]:
     """The TtftcBackend a torch.compile'd module was compiled with, found through Dynamo's wrappers (private
     attributes, so best effort: when they move, the model counts as "compiled" on the tuning and the using side
     alike)."""
-    from ttftc.dynamo_backend import TtftcBackend
-
     obj = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
     for _ in range(8):
         if obj is None or isinstance(obj, TtftcBackend):
@@ -168,10 +170,6 @@ def tune_chunk_sizes(
     `model` runs as it will be served (eager, or compiled with the ttftc Config it will be compiled with), since
     the cache key names the runner. Returns one tuner.TuneResult per prompt length.
     """
-    from ttftc.autotune.timing import WallTimer
-    from ttftc.autotune.tuner import TuneResult, _progress, measure_candidates
-    from ttftc.runtime.engine import PrefillEngine
-
     if not chunk_sizes or any(int(c) < 1 for c in chunk_sizes):
         raise ValueError(f"chunk sizes must be positive integers, got {list(chunk_sizes)!r}")
     param = _param(model)

@@ -1,0 +1,74 @@
+"""`ttftc serve` run: what the parsed arguments of ttftc/commands/serve.py do.
+
+LLM, create_app and run_server are looked up on their modules at each call (tests replace them there)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import ttftc.llm
+import ttftc.serve
+from ttftc.commands import UsageError
+from ttftc.commands.serve import NO_BUCKETS
+from ttftc.serve.policy import ServingPolicy
+from ttftc.serve.warm import WarmPromptsError, read_warm_prompts
+
+
+def run(args) -> int:
+    names = [name for name, _ in args.tenant_priority]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise UsageError(f"--tenant-priority names {repeated[0]!r} more than once; give each tenant one priority")
+    if args.kv_disk and args.no_prompt_cache:
+        raise UsageError("--kv-disk extends the prefix cache; leave out --no-prompt-cache")
+    if names and not args.tenant_header:
+        raise UsageError("--tenant-priority needs --tenant-header NAME: without it no request names a tenant")
+    warm = []
+    if args.warm_prompts:
+        if not args.tenant_header:
+            raise UsageError("--warm-prompts needs --tenant-header NAME: requests without a tenant share no cache, "
+                             "so none could hit a warm prompt")
+        if args.no_prompt_cache:
+            raise UsageError("--warm-prompts needs the prefix cache; leave out --no-prompt-cache")
+        try:
+            warm = read_warm_prompts(args.warm_prompts)  # before the model loads: a bad file fails fast
+        except WarmPromptsError as exc:
+            raise UsageError(f"--warm-prompts: {exc}") from None
+    policy = ServingPolicy(tenant_priorities=dict(args.tenant_priority), slo_ttft_ms=args.slo_ttft_ms,
+                           slo_margin=args.slo_margin, shed_priority_above=args.shed_priority_above)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    print(f"ttftc serve: loading {args.model} (compiling buckets on first start; the compile cache makes the next "
+          "start fast)", file=sys.stderr, flush=True)
+    try:
+        llm = ttftc.llm.LLM(args.model, precision=args.precision,
+                            buckets=None if args.buckets == NO_BUCKETS else args.buckets,
+                            chunked_prefill=args.chunked_prefill,
+                            prompt_cache=not args.no_prompt_cache, prefix_cache_bytes=args.prefix_cache_mb << 20,
+                            artifact=args.artifact, max_batch_tokens=args.max_batch_tokens,
+                            batch_window_ms=args.batch_window_ms, max_running=args.max_running, name=args.name,
+                            compile_kv_path=not args.eager_kv_path, batched_decode=not args.no_batched_decode,
+                            kv_disk=args.kv_disk, kv_disk_bytes=args.kv_disk_mb << 20)
+    except (ValueError, TypeError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    for note in llm.notes:
+        print(f"ttftc serve: {note}", file=sys.stderr)
+    try:
+        app = ttftc.serve.create_app(llm, tenant_header=args.tenant_header,
+                                     report_cached_tokens=not args.no_report_cached_tokens, policy=policy, warm=warm)
+    except ValueError as exc:  # WarmPromptsError among them: the warm prompts do not fit, or one failed
+        llm.close(drain_timeout_s=0)
+        raise UsageError(f"--warm-prompts: {exc}" if warm else str(exc)) from None
+    if warm:
+        warmed = app.state.served.warmed
+        print(f"ttftc serve: {len(warmed.pins)} warm prompts pinned ({warmed.tokens} tokens)", file=sys.stderr)
+    print(f"ttftc serve: {llm.name} ready in {time.perf_counter() - started:.1f} s on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    cut_off = ttftc.serve.run_server(app, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
+                                     log_level=args.log_level)
+    print(f"ttftc serve: stopped ({cut_off} requests cut off by the drain timeout)", file=sys.stderr)
+    return 0
