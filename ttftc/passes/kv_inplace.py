@@ -36,7 +36,7 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 
-from ttftc.passes import graph_utils as gu
+from ttftc import fx_utils as gu
 from ttftc.passes.base import GraphPass
 
 aten = torch.ops.aten
