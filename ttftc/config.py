@@ -21,7 +21,7 @@ DYNAMIC_SHAPES = ("auto", "dynamo")
 # The names Config.passes may give, in pipeline order. The passes themselves sit above the config
 # (ttftc/passes/registry.py, whose PIPELINE is checked against this tuple when it is imported), so that a Config
 # is validated when it is built without importing a single pass.
-PASS_NAMES = ("attention", "rope", "ffn", "norm_linear", "precision", "linear")
+PASS_NAMES = ("attention", "rope", "ffn", "norm_linear", "precision", "linear", "kv_inplace")
 
 Precision = Literal["auto", "fp32", "bf16", "int8"]
 

@@ -74,8 +74,9 @@ def test_uuid_is_stable_and_depends_on_config():
     assert a != PassManager(ttftc.Config(precision="bf16")).uuid()
 
 
-# The pipeline order the `order` class attributes gave before the explicit list replaced them (issue 30).
-RECORDED_ORDER = ("attention", "rope", "ffn", "norm_linear", "precision", "linear")
+# The pipeline order the `order` class attributes gave before the explicit list replaced them (issue 30), with
+# kv_inplace after them all (issue 31).
+RECORDED_ORDER = ("attention", "rope", "ffn", "norm_linear", "precision", "linear", "kv_inplace")
 
 
 def test_the_passes_run_in_the_recorded_pipeline_order():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ttftc.config import PASS_NAMES, Config
 from ttftc.passes.attention import AttentionPass
 from ttftc.passes.ffn import FfnPass
+from ttftc.passes.kv_inplace import KvInplacePass
 from ttftc.passes.linear import LinearPass
 from ttftc.passes.norm_linear import NormLinearPass
 from ttftc.passes.precision import PrecisionPass
@@ -13,8 +14,10 @@ from ttftc.passes.rope import RopePass
 
 # The order the passes build on each other in: rope after attention (the attention op's q and k become its
 # outputs either way); norm_linear after ffn (a norm feeding a gated_ffn becomes ttftc.norm); the precision policy
-# over the fused ops and the plain GEMMs; linear last, so it only sees the linears no fusion took.
-PIPELINE: tuple[type, ...] = (AttentionPass, RopePass, FfnPass, NormLinearPass, PrecisionPass, LinearPass)
+# over the fused ops and the plain GEMMs; linear after them, so it only sees the linears no fusion took; kv_inplace
+# last, so that no pass after it moves a read of a KV buffer across the in-place write it makes.
+PIPELINE: tuple[type, ...] = (AttentionPass, RopePass, FfnPass, NormLinearPass, PrecisionPass, LinearPass,
+                              KvInplacePass)
 
 
 def _check(pipeline: tuple[type, ...]) -> None:

@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from ttftc.buckets.table import bucket_for
 from ttftc.runtime.chunked import ChunkTable, FirstToken, PrefillJob
 from ttftc.runtime.kv import (RAGGED_ATTENTION, KVHandle, ModelGeometry, RaggedDecodeCache, RaggedDecodeUnsupported,
-                              unwrap_model)
+                              reserve, unwrap_model)
 from ttftc.runtime.prefix_cache import PrefixCache
 from ttftc.runtime.sampling import GREEDY, Sampling
 
@@ -347,6 +347,7 @@ class PrefillEngine:
         """Logits (fp32, 1-D) of the last of `ids`, which sit at positions start.. and are appended to `kv_cache`."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + x.shape[1], device=self.device).unsqueeze(0)
+        reserve(kv_cache, start + x.shape[1])  # grown here, not inside a compiled forward
         with torch.no_grad():
             out = self.model(input_ids=x, position_ids=positions, past_key_values=kv_cache, use_cache=True,
                              logits_to_keep=1)

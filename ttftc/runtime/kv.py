@@ -77,86 +77,151 @@ class GrowableLayer(DynamicLayer):
 
     DynamicLayer appends by concatenating the whole past again, so a prompt prefilled in C-token chunks copies
     O(L^2 / C) KV bytes, and a warm prefix is copied once more by the first suffix chunk. Here an append is one
-    in-place write. `keys`/`values` stay ordinary tensors (views), so attention and `generate` see a plain
-    DynamicLayer; when anything else replaced them (crop, beam reorder, batch select) the layer adopts the
-    new tensors on the next append.
+    in-place write into the buffer, past the end of every view handed out so far (what a caller holds is never
+    overwritten).
+
+    The state is the buffers and their lengths, plain ints, so that Dynamo traces `update` into the model's graph:
+    a length becomes a symbolic size, and the append an in-place write into a graph input, which AOTAutograd
+    functionalizes and ttftc's kv_inplace pass writes back in place. `keys`/`values` are properties (views of the
+    buffers); assigning them (crop, beam reorder, batch select, offload) adopts the assigned tensor, which the
+    next append copies into a fresh buffer. Keys and values keep a length each, because transformers assigns them
+    one after the other, each computed from what the other still was.
+
+    Growing inside a compiled forward is correct but copies the past in the graph; `reserve` grows ahead of the
+    forward, outside it. A buffer always keeps one slot spare: a view that fills its buffer is contiguous and one
+    that does not is not, and a compiled graph specializes on that, so a prefill's last chunk, which would fill a
+    buffer sized to the prompt, would need a graph of its own.
     """
 
     def __init__(self, capacity: int = 0, **kwargs):
-        super().__init__(**kwargs)
-        self.capacity_hint = capacity
         self._key_buffer: Optional[torch.Tensor] = None
         self._value_buffer: Optional[torch.Tensor] = None
+        self._length = self._value_length = 0
+        super().__init__(**kwargs)
+        self.capacity_hint = capacity
 
-    def _buffers_in_sync(self) -> bool:
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
         kb = self._key_buffer
-        if kb is None or self.keys is None:
-            return False
-        if kb.is_inference() and not torch.is_inference_mode_enabled():
-            return False  # an inference tensor cannot be written in place outside inference mode
-        k = self.keys
-        return (k.data_ptr() == kb.data_ptr() and k.shape[:2] == kb.shape[:2] and k.shape[-1] == kb.shape[-1]
-                and k.stride() == kb.stride())
+        return None if kb is None else kb[:, :, :self._length]
 
-    def _reallocate(self, capacity: int) -> None:
-        keys, values = self.keys, self.values
-        b, h, n, d = keys.shape
-        kb = keys.new_empty((b, h, capacity, d))
-        vb = values.new_empty((b, h, capacity, values.shape[-1]))
-        kb[:, :, :n].copy_(keys)
-        vb[:, :, :n].copy_(values)
+    @keys.setter
+    def keys(self, tensor: Optional[torch.Tensor]) -> None:
+        self._key_buffer, self._length = _adopted(tensor)
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        vb = self._value_buffer
+        return None if vb is None else vb[:, :, :self._value_length]
+
+    @values.setter
+    def values(self, tensor: Optional[torch.Tensor]) -> None:
+        self._value_buffer, self._value_length = _adopted(tensor)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._key_buffer = self._value_buffer = None
+        self._length = self._value_length = 0
+        self.is_initialized = True
+
+    def allocate(self, capacity: int, batch: int, heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """Empty buffers for `capacity` tokens, before the first append (a forward then only writes into them)."""
+        self.device = device
+        self._key_buffer = torch.empty((batch, heads, capacity + 1, head_dim), dtype=dtype, device=device)
+        self._value_buffer = torch.empty((batch, heads, capacity + 1, value_dim), dtype=dtype, device=device)
+        self._length = self._value_length = 0
+        self.is_initialized = True
+
+    def _fits(self, key_states: torch.Tensor, value_states: torch.Tensor, new: int) -> bool:
+        kb, vb = self._key_buffer, self._value_buffer
+        if kb is None or vb is None or self._value_length != self._length:
+            return False
+        if not torch.compiler.is_compiling() and kb.is_inference() and not torch.is_inference_mode_enabled():
+            return False  # an inference tensor cannot be written in place outside inference mode
+        # A buffer of another dtype would silently convert what copy_ writes; another geometry would not fit.
+        return (new < kb.shape[-2] and new < vb.shape[-2] and kb.dtype == key_states.dtype
+                and vb.dtype == value_states.dtype and kb.shape[:2] == key_states.shape[:2]
+                and vb.shape[:2] == value_states.shape[:2] and kb.shape[-1] == key_states.shape[-1]
+                and vb.shape[-1] == value_states.shape[-1] and kb.device == key_states.device)
+
+    def _reallocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        old = self._length
+        kb = key_states.new_empty((*key_states.shape[:2], capacity + 1, key_states.shape[-1]))
+        vb = value_states.new_empty((*value_states.shape[:2], capacity + 1, value_states.shape[-1]))
+        if self._key_buffer is not None and old:
+            kb[:, :, :old].copy_(self._key_buffer[:, :, :old])
+            vb[:, :, :old].copy_(self._value_buffer[:, :, :old])
         self._key_buffer, self._value_buffer = kb, vb
-        self.keys, self.values = kb[:, :, :n], vb[:, :, :n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
-            self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
-        old = self.keys.shape[-2]
+        old = self._length
         new = old + key_states.shape[-2]
-        if not self._buffers_in_sync() or new > self._key_buffer.shape[-2]:
+        if not self._fits(key_states, value_states, new):
             # Grow geometrically (decode appends one token at a time) but never below the requested capacity.
-            self._reallocate(max(new, self.capacity_hint, old + old // 4 + 64))
-        self._key_buffer[:, :, old:new].copy_(key_states)
-        self._value_buffer[:, :, old:new].copy_(value_states)
-        self.keys = self._key_buffer[:, :, :new]
-        self.values = self._value_buffer[:, :, :new]
-        return self.keys, self.values
+            self._reallocate(key_states, value_states, max(new, self.capacity_hint, old + old // 4 + 64))
+        # narrow, not [:, :, a:b]: one slice of the buffer itself, the form the kv_inplace pass proves in place,
+        # where indexing adds full slices of the other dimensions whenever their sizes are symbolic.
+        self._key_buffer.narrow(2, old, new - old).copy_(key_states)
+        self._value_buffer.narrow(2, old, new - old).copy_(value_states)
+        self._length = self._value_length = new
+        return self._key_buffer.narrow(2, 0, new), self._value_buffer.narrow(2, 0, new)
+
+    def reserve(self, total_tokens: int) -> None:
+        """Room for `total_tokens` in all, grown now (outside any compiled forward) if the buffers are smaller."""
+        self.capacity_hint = max(self.capacity_hint, total_tokens)
+        kb, vb = self._key_buffer, self._value_buffer
+        if kb is None or vb is None or total_tokens < min(kb.shape[-2], vb.shape[-2]):
+            return
+        old = self._length
+        self._reallocate(kb[:, :, :0], vb[:, :, :0], max(total_tokens, old + old // 4 + 64))
+
+    def get_seq_length(self) -> int:
+        return self._length if self.is_initialized else 0
 
     def reset(self) -> None:
-        self._key_buffer = self._value_buffer = None
-        super().reset()
+        self.keys = self.values = None
+        self.is_initialized = False
+        if hasattr(self, "cumulative_length"):
+            self.cumulative_length = 0
 
 
-def growable_kv_supported(model: torch.nn.Module) -> bool:
-    """Whether `model` may get GrowableLayer caches: plain eager modules only.
-
-    Under torch.compile the layer's in-place appends break the graph inside every decoder layer (28 graphs for a
-    2-layer Llama instead of 1), which leaves attention and the fused passes with fragments; compiled models keep
-    transformers' own DynamicLayer, whose concatenations trace into one graph.
-    """
-    return unwrap_model(model) is model
+def _adopted(tensor: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
+    """(buffer, length) for a tensor assigned to a GrowableLayer's keys or values."""
+    if tensor is None or tensor.dim() != 4:
+        return None, 0  # None (reset), or the empty placeholder of transformers' lazy_initialization
+    return tensor, tensor.shape[-2]
 
 
 def new_cache(model: torch.nn.Module, capacity: int = 0):
-    """An empty DynamicCache for `model`, with room for `capacity` tokens in its full-attention layers."""
+    """An empty DynamicCache for `model`, with room for `capacity` tokens in its full-attention layers (allocated
+    now, from the model's geometry, so that the first forward only writes into them)."""
     # With the config, sliding-window models get their sliding layers, exactly as in the model's own forward.
+    # Compiled models get the same layers: their graphs keep each append as an in-place write (see GrowableLayer).
     cache = DynamicCache(config=unwrap_model(model).config)
-    if not growable_kv_supported(model):
-        return cache
     if cache.layers:
         cache.layers = [GrowableLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        if capacity > 0:
+            geometry = ModelGeometry.of(model)
+            device = next(unwrap_model(model).parameters()).device
+            for layer in cache.layers:
+                if isinstance(layer, GrowableLayer):
+                    # A layer whose KV turns out to have another geometry or dtype reallocates on its first append.
+                    layer.allocate(capacity, 1, geometry.kv_heads, geometry.head_dim, geometry.head_dim,
+                                   geometry.dtype, device)
     else:
         cache.layer_class_to_replicate = lambda: GrowableLayer(capacity)
     return cache
 
 
 def reserve(cache, total_tokens: int) -> None:
-    """Make the next append grow the full-attention layers straight to `total_tokens` (one copy, not several)."""
+    """Room for `total_tokens` in the full-attention layers, made now: call it before a forward, so that a compiled
+    forward never grows a buffer (a copy of the whole past inside the graph)."""
     for layer in cache.layers:
         if isinstance(layer, GrowableLayer):
-            layer.capacity_hint = max(layer.capacity_hint, total_tokens)
+            layer.reserve(total_tokens)
 
 
 def cache_from_blocks(model: torch.nn.Module, blocks: Sequence[torch.Tensor], capacity: int = 0):
@@ -188,7 +253,7 @@ def _filled_cache(model: torch.nn.Module, parts: Sequence[Sequence[tuple[torch.T
         if isinstance(layer, GrowableLayer):
             # Copy each piece straight into the layer's buffer: one copy, no intermediate concatenation.
             heads, _, head_dim = pieces[0][0].shape
-            keys = pieces[0][0].new_empty((1, heads, max(capacity, cached), head_dim))
+            keys = pieces[0][0].new_empty((1, heads, max(capacity, cached) + 1, head_dim))  # + the spare slot
             values = torch.empty_like(keys)
             pos = 0
             for k, v in pieces:
@@ -198,7 +263,7 @@ def _filled_cache(model: torch.nn.Module, parts: Sequence[Sequence[tuple[torch.T
                 pos += n
             layer.lazy_initialization(keys, values)
             layer._key_buffer, layer._value_buffer = keys, values
-            layer.keys, layer.values = keys[:, :, :cached], values[:, :, :cached]
+            layer._length = layer._value_length = cached
         else:
             keys = torch.cat([k for k, _ in pieces], dim=1).unsqueeze(0).contiguous()
             values = torch.cat([v for _, v in pieces], dim=1).unsqueeze(0).contiguous()
