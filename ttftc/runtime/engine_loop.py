@@ -171,9 +171,10 @@ class EngineLoop:
         while True:
             with self._cond:
                 while True:
+                    # Arrivals leave the inbox one by one as the scheduler takes them (_admit), so that an estimate
+                    # made meanwhile still sees each of them, in one place or the other.
                     arrivals = list(self._inbox)
                     cancels = list(self._cancels)
-                    self._inbox.clear()
                     self._cancels.clear()
                     if arrivals or cancels or self._stopping:
                         break
@@ -194,15 +195,21 @@ class EngineLoop:
             self._publish()
 
     def _admit(self, arrivals) -> None:
-        for request, sink, arrived_at, _ in arrivals:
+        for arrival in arrivals:
+            request, sink, arrived_at, _ = arrival
             try:
                 record = self.scheduler.submit(request, arrived_at=arrived_at)
             except Exception as exc:  # validated at submit, so only what changed since (or a bug) lands here
                 record = RequestRecord(request.request_id, 0, arrived_at, finish_reason=ERROR,
                                        error=f"{type(exc).__name__}: {exc}")
                 self._deliver(sink, EndEvent(request.request_id, ERROR, record, record.error))
-                continue
-            self._sinks[record.request_id] = sink
+            else:
+                self._sinks[record.request_id] = sink
+            finally:
+                with self._cond:
+                    # The scheduler's view holds it now (or it ended): counted twice for an instant at most.
+                    taken = self._inbox.popleft()
+                assert taken is arrival, "only the engine thread takes arrivals, in order"
 
     def _cancel(self, request_id: Hashable, reason: str, error: Optional[str] = None) -> None:
         try:
