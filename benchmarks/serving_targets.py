@@ -100,9 +100,14 @@ def loadtest(url: str, out: Path, name: str, *args: str) -> dict:
     return json.loads(path.read_text())
 
 
+TENANT = ["--tenant-header", "X-Tenant"]  # requests without a tenant share no cached prefix
+
+
 def first_token_s(url: str, prompt: list[int]) -> tuple[float, int]:
-    """Seconds from sending a streamed completion to its first token, and the cached tokens it reported."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=600)
+    """Seconds from sending a streamed completion (as tenant "acme") to its first token, and the cached tokens it
+    reported."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=600,
+                           default_headers={"X-Tenant": "acme"})
     started = time.perf_counter()
     first = None
     cached = 0
@@ -123,7 +128,7 @@ def main() -> int:
     parser.add_argument("--capacity", type=float, help="req/s, skipping the capacity scenario's measurement")
     parser.add_argument("--port", type=int, default=8310)
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="ttftc-serving-targets-")))
-    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--vocab", type=int, default=32000, help="token ids are drawn below this (llama-135m: 32000)")
     parser.add_argument("--server-flags", default="",
                         help="flags every server gets, e.g. --eager-kv-path (no KV-path compile at each start)")
     args = parser.parse_args()
@@ -187,10 +192,10 @@ def main() -> int:
     if "warm" in chosen:
         system = tokens(1536)
         warm_file = out / "warm-prompts.jsonl"
-        warm_file.write_text(json.dumps({"prompt": system}) + "\n")
-        with server(args.model, args.port, [], out / "warm-cold.log") as url:
+        warm_file.write_text(json.dumps({"prompt": system, "tenant": "acme"}) + "\n")
+        with server(args.model, args.port, TENANT, out / "warm-cold.log") as url:
             cold = [first_token_s(url, tokens(1536 + 16))[0] for _ in range(3)]
-        with server(args.model, args.port, ["--warm-prompts", str(warm_file)], out / "warm.log") as url:
+        with server(args.model, args.port, [*TENANT, "--warm-prompts", str(warm_file)], out / "warm.log") as url:
             warm = [first_token_s(url, system + tokens(16)) for _ in range(3)]
         ratio = warm[0][0] / statistics.median(cold)
         lines.append(f"warm prompts: first request sharing the 1536-token system prompt {warm[0][0] * 1e3:.0f} ms "
@@ -200,7 +205,7 @@ def main() -> int:
     if "disk" in chosen:
         prefix = tokens(1536)
         with tempfile.TemporaryDirectory(prefix="ttftc-kv-disk-") as directory:
-            flags = ["--kv-disk", directory]
+            flags = [*TENANT, "--kv-disk", directory]
             with server(args.model, args.port, flags, out / "disk-1.log") as url:
                 first_token_s(url, prefix + tokens(16))
             with server(args.model, args.port, flags, out / "disk-2.log") as url:
