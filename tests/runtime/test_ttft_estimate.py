@@ -200,16 +200,16 @@ def test_the_view_holds_aged_priorities_remaining_tokens_and_decodes():
     assert [(p.priority, p.remaining, p.position, p.decode_tokens) for p in view.prefills] == [(0, 50, 0, 3),
                                                                                               (3, 4, 16, 1)]
     assert view.decoding == () and view.step_ends_at is None
-    s.step()  # 32 tokens of prompt 1; prompt 2's 4 would fit beside them, but a step carries no worse priority
-    assert [(p.priority, p.remaining, p.position) for p in s.view.prefills] == [(0, 18, 32), (3, 4, 16)]
-    assert s.view.decoding == () and s.view.step_ends_at is None
+    s.step()  # 32 tokens of prompt 1; the 4 left of prompt 2 fit beside them
+    assert [(p.priority, p.remaining, p.position) for p in s.view.prefills] == [(0, 18, 32)]
+    assert s.view.decoding == (1,) and s.view.step_ends_at is None
     clock.now += 2.5  # prompt 1 has waited 2.5 s: but it is the best priority already, nothing to age toward
     s.submit(Request(prompt(3, 10), priority=2))
-    clock.now += 1.0  # prompt 3 has waited 1 s: one level better; prompt 2, 3.5 s: three levels, up to the best
+    clock.now += 1.0  # prompt 3 has waited 1 s: one level better
     s.submit(Request(prompt(4, 12), priority=5))
-    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(0, 18), (0, 4), (1, 10), (5, 12)]
-    s.cancel(0)  # prompt 1: now prompt 3's priority is the best there is, and none ages past it
-    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(2, 4), (2, 10), (5, 12)]
+    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(0, 18), (1, 10), (5, 12)]
+    s.cancel(0)  # prompt 1: now prompt 3's priority is the best there is, and it ages no further
+    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(2, 10), (5, 12)]
 
 
 def test_a_steps_time_outside_its_forwards_is_tracked_and_replayed_per_step():

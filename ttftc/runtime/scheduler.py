@@ -28,11 +28,9 @@ makes a chunk late in a long prompt dearer than one early on, so the bound is on
 with the KV its chunk attends to.
 
 Priorities. Priority outranks everything else, a prompt's chunks under way included: a higher-priority arrival
-takes the next step's budget ahead of the remaining chunks of a lower-priority long prompt, and that step carries
-no prefill of a worse priority at all, so the lower-priority chunk does not lengthen the step that produces the
-better prompt's first token (equal priorities share a step as before: a long prompt's chunk fills what a short
-prompt left). Once admitted, waiting requests take the free slots in priority order, then arrival order. A
-prefill's priority improves by one level per AGE_STEP_S seconds since it arrived, up to the best priority among the prefills: so a low-priority
+takes the next step's budget ahead of the remaining chunks of a lower-priority long prompt (and, once admitted,
+waiting requests take the free slots in priority order, then arrival order). A prefill's priority improves by one
+level per AGE_STEP_S seconds since it arrived, up to the best priority among the prefills: so a low-priority
 request catches up with a stream of higher-priority ones after (its priority - theirs) * AGE_STEP_S seconds, and
 from there `max_skipped_steps` bounds its wait as for any prompt of one priority. Equal priorities order as if
 there were none, however long each waited.
@@ -405,8 +403,6 @@ class StepScheduler:
         for item in sorted(admitted, key=lambda item: self._prefill_order(item, aged)):
             if budget <= 0:
                 break
-            if plan and aged[id(item)] > aged[id(plan[0][0])]:
-                break  # a worse priority's chunk would lengthen the better prefill's step (its TTFT): next step
             job = item.job
             want = job.remaining if self.chunk_size is None else min(self.chunk_size, job.remaining)
             if not plan:

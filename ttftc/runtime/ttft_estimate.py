@@ -316,8 +316,6 @@ def _plan(items: list[_Item], budget: int, shape: StepShape) -> list[tuple[_Item
     for item in items:
         if budget <= 0:
             break
-        if plan and item.priority > plan[0][0].priority:
-            break  # as the scheduler: a step carries no prefill of a worse priority than its first
         want = _want(item, shape)
         if not plan:
             n = want if shape.chunk_size is None else min(want, budget)
