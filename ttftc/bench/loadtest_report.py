@@ -3,11 +3,10 @@ next to the latency CDFs."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
-from ttftc.bench.report import pyplot, write_atomically
+from ttftc.bench.report import pyplot, save_figure, write_atomically
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -157,10 +156,4 @@ def write_plot(doc: dict, path: str) -> None:
     right.legend(fontsize="small")
     right.grid(alpha=0.3, which="both")
     fig.suptitle(f"ttftc loadtest: {doc['model']}, rate {doc['settings']['rate']}/s")
-    fig.tight_layout()
-    png = io.BytesIO()
-    try:
-        fig.savefig(png, format="png", dpi=110)
-    finally:
-        plt.close(fig)
-    write_atomically(path, png.getvalue())
+    save_figure(fig, path, dpi=110)

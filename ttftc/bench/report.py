@@ -123,6 +123,17 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: str, dpi: int) -> None:
+    """Lay out `fig`, write it to `path` as a PNG atomically (a reader never sees half a file), and close it."""
+    fig.tight_layout()
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=dpi)
+    finally:
+        pyplot().close(fig)
+    write_atomically(path, png.getvalue())
+
+
 def write_plot(doc: dict, path: str) -> None:
     """TTFT p50 against sequence length per variant (p95 as the error bar), with each dtype's bound as a line."""
     plt = pyplot()
@@ -153,13 +164,7 @@ def write_plot(doc: dict, path: str) -> None:
     ax.set_title(f"ttftc bench: {os.path.basename(doc['model']['name'])} on {doc['device']} ({doc['threads']} threads)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over the data
-    fig.tight_layout()
-    png = io.BytesIO()
-    try:
-        fig.savefig(png, format="png", dpi=120)
-    finally:
-        plt.close(fig)
-    write_atomically(path, png.getvalue())
+    save_figure(fig, path, dpi=120)
 
 
 def summary_lines(doc: dict) -> list[str]:
