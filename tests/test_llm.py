@@ -112,6 +112,8 @@ def test_bad_input_is_a_clear_error(llm):
         llm.generate(ids(4), priority=2**31)
     with pytest.raises(ValueError, match="chunked_prefill"):
         ttftc.LLM("tiny", buckets=None, chunked_prefill=0)
+    with pytest.raises(ValueError, match="yield_chunk must be a positive int"):
+        ttftc.LLM("tiny", buckets=None, yield_chunk=0)
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         ttftc.LLM("nope")
 

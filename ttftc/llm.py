@@ -257,6 +257,9 @@ class LLM:
     prompt_cache:    True (a PrefixCache of `prefix_cache_bytes`), a PrefixCache of your own, or False.
     chunked_prefill: the most tokens of one prompt a step prefills (long prompts run in chunks, beside other
                      requests), or None to prefill each prompt whole.
+    yield_chunk:     the most tokens per step of a prompt while a request of better priority is in flight (None:
+                     32, the scheduler's min_chunk): small, so the step a better request waits for is short
+                     (runtime/scheduler.py, Priorities).
     artifact:        an artifact directory to serve prefill from (instead of compiling); the model it records
                      (or `model_or_path`) provides the decode.
     max_batch_tokens: the scheduler's token budget per step (decodes, one token each, plus prefill tokens); also
@@ -295,12 +298,15 @@ class LLM:
                  name: Optional[str] = None, compile_kv_path: bool = True, warmup: bool = True,
                  batched_decode: bool = True, tenant: Tenant = None,
                  kv_disk: Optional[Union[str, Path]] = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
-                 background_compile: bool = False, on_progress: Optional[Callable[[str], None]] = None):
+                 background_compile: bool = False, on_progress: Optional[Callable[[str], None]] = None,
+                 yield_chunk: Optional[int] = None):
         if not isinstance(precision, str):
             raise ValueError(f"precision must be a string such as 'auto', 'fp32' or 'bf16', got {precision!r}")
         if chunked_prefill is not None and (not _is_int(chunked_prefill) or chunked_prefill < 1):
             raise ValueError(
                 f"chunked_prefill must be a positive int (tokens per chunk) or None, got {chunked_prefill!r}")
+        if yield_chunk is not None and (not _is_int(yield_chunk) or yield_chunk < 1):
+            raise ValueError(f"yield_chunk must be a positive int (tokens per step) or None, got {yield_chunk!r}")
         if not _is_int(max_batch_tokens) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
         if not _is_number(batch_window_ms) or not 0 <= batch_window_ms < 60_000:
@@ -331,7 +337,8 @@ class LLM:
                                     prefill_batch_sizes=batch_sizes, prefill_batch_tokens=prefill_batch_tokens,
                                     batched_decode=batched_decode)
         self.scheduler = StepScheduler(self.engine, max_batch_tokens, chunk_size=chunked_prefill,
-                                       batch_window_s=batch_window_ms / 1000.0, max_running=max_running)
+                                       batch_window_s=batch_window_ms / 1000.0, max_running=max_running,
+                                       yield_chunk=yield_chunk)
         if cache is not None and cache.disk is not None and cache.recompute_seconds is None:
             # A disk hit is loaded only where loading measures cheaper than the scheduler's fit of its forwards.
             cache.recompute_seconds = self.scheduler.cost_model.prefill_s

@@ -171,6 +171,7 @@ def prefills(engine) -> list[tuple]:
     (dict(batch_window_s=math.inf), "batch_window_s must be a finite number >= 0"),
     (dict(batch_window_s=math.nan), "batch_window_s must be a finite number >= 0"),
     (dict(max_running=0), "max_running must be >= 1 or None"),
+    (dict(yield_chunk=0), "yield_chunk must be >= 1 or None"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -339,6 +340,67 @@ def test_aging_lets_a_low_priority_prompt_run_under_a_stream_of_high_priority_on
     # A step every AGE_STEP_S / 4: 3 levels behind, prompt 1 ties with the stream after 12 steps, and having been
     # skipped for more than max_skipped_steps by then, it goes first at once.
     assert _long_prompt_served(engine, s, 14, clock, AGE_STEP_S / 4) == [False] * 11 + [True, False, False]
+
+
+def test_a_prompt_yields_while_a_better_request_is_in_flight_and_takes_full_chunks_again_after():
+    engine = FakeEngine()
+    s = scheduler(engine, budget=64, chunk_size=32, min_chunk=8)  # yield_chunk: min_chunk
+    s.submit(Request(prompt(1, 100), priority=5))
+    s.step()  # alone: a full chunk
+    s.submit(Request(prompt(2, 10), max_new_tokens=3))  # priority 0: prefills, then decodes twice
+    for _ in range(4):
+        s.step()
+    # Prompt 2's step carries no chunk of prompt 1 (32 + 10 tokens would fit the budget of 64); while prompt 2
+    # decodes, prompt 1 runs 8 tokens a step; once it finished, 32 again.
+    assert prefills(engine) == [(1, 32), (2, 10), (1, 8), (1, 32), (1, 28)]
+    assert [c[1] for c in engine.calls if c[0] == "decode"] == [8, 9]  # prompt 2's first token is 8
+
+
+def test_an_explicit_yield_chunk_and_equal_priorities_that_never_yield():
+    # Priority 1: the long prompt waits out the short one's step, then yields 16 tokens a step beside its decodes.
+    # Priority 0: shortest first, and the long prompt shares the step and takes full chunks.
+    for priority, expected in ((1, [(2, 4), (1, 16), (1, 16)]), (0, [(2, 4), (1, 32), (1, 32), (1, 32)])):
+        engine = FakeEngine()
+        s = scheduler(engine, budget=64, chunk_size=32, yield_chunk=16)
+        s.submit(Request(prompt(1, 100), priority=priority))
+        s.submit(Request(prompt(2, 4), max_new_tokens=10))  # priority 0, decoding throughout
+        for _ in range(3):
+            s.step()
+        assert prefills(engine) == expected, priority
+
+
+def test_aging_counts_from_a_prompts_last_chunk_so_a_prompt_that_runs_keeps_its_priority():
+    clock = Clock()
+    engine = FakeEngine()
+    s = scheduler(engine, budget=64, chunk_size=32, min_chunk=8, max_running=2, clock=clock)
+    s.submit(Request(prompt(1, 4), max_new_tokens=1000))  # priority 0, decoding throughout
+    s.step()
+    s.submit(Request(prompt(2, 200), priority=3))
+    s.step()  # prompt 2 takes the second slot and yields: 8 tokens
+    s.submit(Request(prompt(3, 50), priority=1))  # no slot left: it waits
+    for _ in range(4):
+        clock.now += AGE_STEP_S
+        s.step()
+    # Prompt 2 ran a chunk in every step, so it never waited a level's time: it keeps priority 3 (aged from its
+    # arrival it would stand at 1 now, level with prompt 3).
+    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(3, 200 - 5 * 8), (1, 50)]
+    assert prefills(engine) == [(1, 4)] + [(2, 8)] * 5
+
+
+def test_a_request_that_arrives_while_a_step_decodes_is_planned_in_that_step():
+    engine = FakeEngine()
+    s = scheduler(engine, budget=64, chunk_size=32, min_chunk=8)
+    s.submit(Request(prompt(1, 100), priority=5))
+    s.submit(Request(prompt(2, 4), max_new_tokens=3))
+    s.step()  # prompt 2 alone (prompt 1 is worse); it decodes from now on
+    arrivals = [Request(prompt(3, 6))]
+    s.intake = lambda: [s.submit(arrivals.pop()) for _ in list(arrivals)]
+    calls_before = len(engine.calls)
+    s.step()
+    # The decode ran first, then prompt 3, which arrived during it, took the step's prefill ahead of prompt 1.
+    assert [c[:2] for c in engine.calls[calls_before:] if c[0] in ("decode", "advance")] == [("decode", 8),
+                                                                                            ("advance", 3)]
+    assert s.records[2].first_token_at is not None
 
 
 def test_equal_priorities_keep_shortest_first_however_long_each_waited():

@@ -10,7 +10,8 @@ import pytest
 
 from tests.runtime.test_scheduler_logic import Clock, FakeEngine, FakeJob, TickingClock, prompt
 from ttftc.runtime.scheduler import Request, StepScheduler
-from ttftc.runtime.ttft_estimate import CostModel, CostPrior, QueuedPrefill, QueueView, StepShape, simulate
+from ttftc.runtime.ttft_estimate import (CostModel, CostPrior, QueuedDecode, QueuedPrefill, QueueView, StepShape,
+                                        simulate)
 
 # A known cost: seconds per forward, per token, per token x context token; per decode step and row.
 TRUE = dict(forward_s=0.002, token_s=1e-4, attend_s=1e-7, step_s=0.003, row_s=5e-4)
@@ -117,7 +118,7 @@ def test_queue_ahead_includes_the_step_under_way_the_decodes_and_the_cached_pref
     model = exact_model()
     shape = StepShape(token_budget=64, chunk_size=32, min_chunk=8)
     new = QueuedPrefill(priority=0, remaining=40, position=64, order=5)  # 64 tokens cached
-    view = QueueView(decoding=(10, 10), step_ends_at=2.5)
+    view = QueueView(decoding=(QueuedDecode(0, 10), QueuedDecode(0, 10)), step_ends_at=2.5)
     estimate = simulate(model, view, shape, new, now=2.0)
     # 0.5 s left of the step under way; then two steps, each decoding the two sequences: 32 tokens, then 8.
     expected = 0.5 + 2 * true_decode(2) + true_prefill(32, 64) + true_prefill(8, 96)
@@ -181,6 +182,32 @@ def test_the_replay_predicts_the_schedulers_ttft_exactly_under_an_exact_cost_mod
     s.run_until_idle()
 
 
+@pytest.mark.parametrize("priority", [0, 1, -1])
+def test_the_replay_predicts_a_request_that_arrives_while_a_step_decodes_exactly(priority):
+    clock = Clock()
+    engine = TimedEngine(clock)
+    s = StepScheduler(engine, 96, chunk_size=32, clock=clock, min_chunk=16, cost_model=exact_model(),
+                      max_skipped_steps=10**9)
+    s.submit(Request(prompt(1, 300), priority=1))
+    s.submit(Request(prompt(2, 20), max_new_tokens=6))
+    s.step()
+    estimates, records = [], []
+
+    def arrive():  # called once the step's decodes ran: the view says so, and the request joins this step
+        if records:
+            return
+        assert s.view.joins_step and s.view.step_ends_at == pytest.approx(clock())
+        new = QueuedPrefill(priority, 40, 0, order=float("inf"), decode_tokens=1)
+        estimates.append(simulate(s.cost_model, s.view, s.shape, new, clock()))
+        records.append(s.submit(Request(prompt(3, 40), max_new_tokens=2, priority=priority)))
+
+    s.intake = arrive
+    while not records or records[0].first_token_at is None:
+        s.step()
+    assert records[0].ttft == pytest.approx(estimates[0].ttft_s, rel=1e-9)
+    s.run_until_idle()
+
+
 def test_the_scheduler_times_each_forward_into_its_cost_model():
     # A clock that moves on every read: each forward and decode batch is timed (1 s each), nothing is dropped.
     s = StepScheduler(FakeEngine(), 64, chunk_size=32, clock=TickingClock())
@@ -200,16 +227,20 @@ def test_the_view_holds_aged_priorities_remaining_tokens_and_decodes():
     assert [(p.priority, p.remaining, p.position, p.decode_tokens) for p in view.prefills] == [(0, 50, 0, 3),
                                                                                               (3, 4, 16, 1)]
     assert view.decoding == () and view.step_ends_at is None
-    s.step()  # 32 tokens of prompt 1; the 4 left of prompt 2 fit beside them
-    assert [(p.priority, p.remaining, p.position) for p in s.view.prefills] == [(0, 18, 32)]
-    assert s.view.decoding == (1,) and s.view.step_ends_at is None
-    clock.now += 2.5  # prompt 1 has waited 2.5 s: but it is the best priority already, nothing to age toward
+    s.step()  # 32 tokens of prompt 1; prompt 2, of a worse priority, shares no step with it
+    assert [(p.priority, p.remaining, p.position) for p in s.view.prefills] == [(0, 18, 32), (3, 4, 16)]
+    assert s.view.decoding == () and s.view.step_ends_at is None
+    clock.now += 2.5  # prompt 1 is the best priority already; prompt 2 has waited 2.5 s
     s.submit(Request(prompt(3, 10), priority=2))
-    clock.now += 1.0  # prompt 3 has waited 1 s: one level better
+    clock.now += 1.0  # prompt 3 has waited 1 s: one level better; prompt 2 3.5 s: three
     s.submit(Request(prompt(4, 12), priority=5))
-    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(0, 18), (1, 10), (5, 12)]
-    s.cancel(0)  # prompt 1: now prompt 3's priority is the best there is, and it ages no further
-    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(2, 10), (5, 12)]
+    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(0, 18), (0, 4), (1, 10), (5, 12)]
+    s.cancel(0)  # prompt 1: now prompt 3's priority is the best there is, and none ages past it
+    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(2, 4), (2, 10), (5, 12)]
+    s.step()  # prompts 2 and 3 tie: both run; prompt 4 is worse and waits
+    # A running sequence is seen with its own priority (aging is for waiting prefills): prompt 2 decodes once more.
+    assert s.view.decoding == (QueuedDecode(3, 1),)
+    assert [(p.priority, p.remaining) for p in s.view.prefills] == [(5, 12)]
 
 
 def test_a_steps_time_outside_its_forwards_is_tracked_and_replayed_per_step():
@@ -219,7 +250,7 @@ def test_a_steps_time_outside_its_forwards_is_tracked_and_replayed_per_step():
     assert model.step_overhead_s == pytest.approx(0.010, rel=1e-3)
     assert model.coefficients()["overhead_s"] == model.step_overhead_s
     shape = StepShape(token_budget=64, chunk_size=32, min_chunk=8)
-    estimate = simulate(model, QueueView(decoding=(5,)), shape, QueuedPrefill(0, 64, 0, 0), now=0.0)
+    estimate = simulate(model, QueueView(decoding=(QueuedDecode(0, 5),)), shape, QueuedPrefill(0, 64, 0, 0), now=0.0)
     # Two steps (32 tokens each, beside one decode): each pays its overhead once.
     assert estimate.ttft_s == pytest.approx(2 * (0.010 + true_decode(1)) + true_prefill(32, 0) + true_prefill(32, 32),
                                             rel=1e-4)

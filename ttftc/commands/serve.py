@@ -82,6 +82,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--chunked-prefill", type=_chunk, default=DEFAULT_CHUNK_TOKENS, metavar="N|none",
                    help=f"most tokens of one prompt a step prefills: long prompts run in chunks beside other "
                    f"requests (default {DEFAULT_CHUNK_TOKENS}); none prefills each prompt whole")
+    p.add_argument("--yield-chunk", type=_positive, default=None, metavar="N",
+                   help="most tokens per step of a prompt while a request of better priority is in flight "
+                   "(default 32): smaller keeps the step a high-priority request waits for shorter, at the cost of "
+                   "the low-priority prompt's throughput")
     p.add_argument("--no-prompt-cache", action="store_true", help="no prefix cache")
     p.add_argument("--eager-kv-path", action="store_true",
                    help="run decode and cached-prefix prefill eagerly instead of compiling them (starts faster)")

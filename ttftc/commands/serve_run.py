@@ -52,7 +52,7 @@ def run(args) -> int:
     try:
         llm = ttftc.llm.LLM(args.model, precision=args.precision,
                             buckets=None if args.buckets == NO_BUCKETS else args.buckets,
-                            chunked_prefill=args.chunked_prefill,
+                            chunked_prefill=args.chunked_prefill, yield_chunk=args.yield_chunk,
                             prompt_cache=not args.no_prompt_cache, prefix_cache_bytes=args.prefix_cache_mb << 20,
                             artifact=args.artifact, max_batch_tokens=args.max_batch_tokens,
                             batch_window_ms=args.batch_window_ms, max_running=args.max_running, name=args.name,

@@ -73,6 +73,7 @@ class EngineLoop:
         # Events leave the moment the scheduler produces them, mid-step.
         scheduler.on_token = self._on_token
         scheduler.on_finish = self._on_finish
+        scheduler.intake = self._admit_arrived  # arrivals during a step's decodes join its prefills
         # Read by other threads without the lock: plain ints, replaced whole after every step.
         self.running = 0
         self.waiting = 0
@@ -123,7 +124,7 @@ class EngineLoop:
         if inbox:
             prefills = view.prefills + tuple(QueuedPrefill(q.priority, q.remaining, q.position, base + k,
                                                            q.decode_tokens) for k, q in enumerate(inbox))
-            view = QueueView(prefills, view.decoding, view.step_ends_at)
+            view = QueueView(prefills, view.decoding, view.step_ends_at, view.joins_step)
         new = self._queued(prompt_ids, tenant, priority, max_new_tokens, base + len(inbox))
         return simulate(scheduler.cost_model, view, scheduler.shape, new, self.clock())
 
@@ -193,6 +194,11 @@ class EngineLoop:
             if due is not None and due <= self.clock():
                 self._step()
             self._publish()
+
+    def _admit_arrived(self) -> None:
+        with self._cond:
+            arrivals = list(self._inbox)
+        self._admit(arrivals)
 
     def _admit(self, arrivals) -> None:
         for arrival in arrivals:

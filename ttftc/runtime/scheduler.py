@@ -29,11 +29,18 @@ with the KV its chunk attends to.
 
 Priorities. Priority outranks everything else, a prompt's chunks under way included: a higher-priority arrival
 takes the next step's budget ahead of the remaining chunks of a lower-priority long prompt (and, once admitted,
-waiting requests take the free slots in priority order, then arrival order). A prefill's priority improves by one
-level per AGE_STEP_S seconds since it arrived, up to the best priority among the prefills: so a low-priority
-request catches up with a stream of higher-priority ones after (its priority - theirs) * AGE_STEP_S seconds, and
-from there `max_skipped_steps` bounds its wait as for any prompt of one priority. Equal priorities order as if
-there were none, however long each waited.
+waiting requests take the free slots in priority order, then arrival order). That alone does not keep a long
+prompt's chunk out of the way: a short request that arrives while the chunk runs waits for it, and a chunk late in
+a long prompt is the dearest step there is (benchmarks/README.md, serving). So a prefill yields while a request of
+better priority is in flight (prefilling or decoding): it shares no step with a better prefill, and runs at most
+`yield_chunk` tokens per step (min_chunk by default), which bounds the step a better arrival waits for. Yielding
+costs the low-priority prompt throughput (more, smaller forwards), which is what its priority asked for.
+
+Aging bounds starvation: a prefill's priority improves by one level per AGE_STEP_S seconds since it arrived or last
+ran a chunk, up to the best priority among the prefills. So a low-priority prompt under a stream of higher-priority
+prefills that leaves it no step waits at most (its priority - theirs) * AGE_STEP_S seconds plus
+`max_skipped_steps` steps for each chunk; a prompt that runs, if in small chunks, is not starving and keeps its
+priority. Equal priorities order as if there were none, however long each waited.
 
 The batching window. A request that has not started its prefill waits until `batch_window_s` has passed since the
 earliest such request arrived, or until the waiting prompts hold `token_budget` tokens, whichever comes first;
@@ -42,6 +49,10 @@ every request it holds back pays up to the whole window in TTFT, and what it buy
 forwards (throughput: one GEMM over B prompts reads the weights once instead of B times). A window of 0 admits
 each request at the next step; under load, requests that arrive during a step are batched anyway, so the window
 only matters when the engine would otherwise start a prefill for a single request while more are about to come.
+
+Arrivals during a step. `intake`, if set, runs between a step's decodes and the planning of its prefills and may
+`submit` requests: one that arrived while the step decoded is planned in this step, where it would otherwise wait
+for the step's prefills too (runtime/engine_loop.py submits its inbox there).
 
 Tokens and finishes are reported as they happen, through `on_token(request_id, token)` and
 `on_finish(request_id)` if set, not only in the StepStats at the end of the step: a short prompt's first token
@@ -68,7 +79,7 @@ from typing import Callable, Hashable, Optional, Sequence, Union
 from ttftc.runtime.chunked import FirstToken, PrefillJob
 from ttftc.runtime.engine import PrefillEngine, PromptIds
 from ttftc.runtime.sampling import GREEDY, Sampling
-from ttftc.runtime.ttft_estimate import CostModel, QueuedPrefill, QueueView, StepShape
+from ttftc.runtime.ttft_estimate import CostModel, QueuedDecode, QueuedPrefill, QueueView, StepShape
 
 # RequestRecord.finish_reason values.
 LENGTH, STOP, CANCELLED, ERROR = "length", "stop", "cancelled", "error"
@@ -150,6 +161,7 @@ class _Prefill:
     record: RequestRecord
     job: PrefillJob
     arrival_order: int
+    waiting_since: float  # arrival, then the end of the last step that ran a chunk of it: what aging counts from
     skipped_steps: int = 0
 
     @property
@@ -169,7 +181,7 @@ class StepScheduler:
     def __init__(self, engine: PrefillEngine, token_budget: int, *, chunk_size: Optional[int] = None,
                  clock: Callable[[], float] = time.perf_counter, max_skipped_steps: int = 4,
                  batch_window_s: float = 0.0, max_running: Optional[int] = None, min_chunk: int = 32,
-                 cost_model: Optional[CostModel] = None):
+                 cost_model: Optional[CostModel] = None, yield_chunk: Optional[int] = None):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if chunk_size is not None and chunk_size < 1:
@@ -180,6 +192,8 @@ class StepScheduler:
             raise ValueError(f"max_running must be >= 1 or None, got {max_running}")
         if min_chunk < 1:
             raise ValueError(f"min_chunk must be >= 1, got {min_chunk}")
+        if yield_chunk is not None and yield_chunk < 1:
+            raise ValueError(f"yield_chunk must be >= 1 or None (min_chunk), got {yield_chunk}")
         self.engine = engine
         self.token_budget = token_budget
         self.chunk_size = chunk_size
@@ -188,10 +202,13 @@ class StepScheduler:
         self.batch_window_s = batch_window_s
         self.max_running = max_running
         self.min_chunk = min_chunk
+        self.yield_chunk = min_chunk if yield_chunk is None else yield_chunk
         self.records: dict[Hashable, RequestRecord] = {}
         # Called during step(), on the scheduler's thread (see the module docstring).
         self.on_token: Optional[Callable[[Hashable, int], None]] = None
         self.on_finish: Optional[Callable[[Hashable], None]] = None
+        # Called between a step's decodes and the planning of its prefills, to `submit` what arrived meanwhile.
+        self.intake: Optional[Callable[[], None]] = None
         self._prefilling: list[_Prefill] = []
         self._running: deque[_Running] = deque()
         self._ids = itertools.count()
@@ -252,7 +269,7 @@ class StepScheduler:
         job = self.engine.start(request.prompt, tenant=request.tenant, sampling=request.sampling)
         record = RequestRecord(request.request_id, len(job.token_ids), now, cached_tokens=job.cached_tokens)
         self.records[request.request_id] = record
-        self._prefilling.append(_Prefill(request, record, job, next(self._arrivals)))
+        self._prefilling.append(_Prefill(request, record, job, next(self._arrivals), waiting_since=now))
         self._publish_view()
         return record
 
@@ -288,18 +305,25 @@ class StepScheduler:
         step_started, self._forwards_s = self.clock(), 0.0
         if self._running:
             rows = min(len(self._running), self.token_budget)
-            self._publish_view(ends_at=self.clock() + self.cost_model.decode_s(rows))
+            self._publish_view(ends_at=self.clock() + self.cost_model.decode_s(rows),
+                               joins_step=self.intake is not None)
         decode_tokens = self._decode(self.token_budget, finished, emitted)
+        if self.intake is not None:
+            self.intake()
         aged = self._aged_priorities()
         admitted = self._admissible(aged)
-        plan = self._plan_prefills(admitted, self.token_budget - decode_tokens, aged)
+        best = min([*aged.values(), *(run.request.priority for run in self._running)], default=0)
+        plan = self._plan_prefills(admitted, self.token_budget - decode_tokens, aged, best)
         if plan:
             cost = sum(self.cost_model.prefill_s(n, item.job.position) for item, n in plan)
             self._publish_view(plan, ends_at=self.clock() + cost, aged=aged)
         batched_rows = self._prefill(plan, finished, emitted)
         served = {id(item) for item, _ in plan}
+        step_ended = self.clock()
         for item in admitted:  # only a prefill that could have run and got no budget is being skipped
             item.skipped_steps = 0 if id(item) in served else item.skipped_steps + 1
+            if id(item) in served:
+                item.waiting_since = step_ended
         self._publish_view()
         if decode_tokens or plan:
             self.cost_model.observe_step(self.clock() - step_started, self._forwards_s)
@@ -314,24 +338,25 @@ class StepScheduler:
 
     @property
     def shape(self) -> StepShape:
-        return StepShape(self.token_budget, self.chunk_size, self.min_chunk, self.batch_window_s)
+        return StepShape(self.token_budget, self.chunk_size, self.min_chunk, self.batch_window_s, self.yield_chunk)
 
     def _publish_view(self, plan: Sequence[tuple[_Prefill, int]] = (), *, ends_at: Optional[float] = None,
-                      aged: Optional[dict[int, int]] = None) -> None:
+                      aged: Optional[dict[int, int]] = None, joins_step: bool = False) -> None:
         """Replace `view`; a step's planned chunks count as done already (their time is in `ends_at`)."""
         aged = self._aged_priorities() if aged is None else aged
         planned = {id(item): n for item, n in plan}
         prefills = []
-        decoding = [run.request.max_new_tokens - len(run.record.tokens) for run in self._running]
+        decoding = [QueuedDecode(run.request.priority, run.request.max_new_tokens - len(run.record.tokens))
+                    for run in self._running]
         for item in self._prefilling:
             n = planned.get(id(item), 0)
             after = item.request.max_new_tokens - 1
             if item.job.remaining - n <= 0:
-                decoding.append(after)
+                decoding.append(QueuedDecode(item.request.priority, after))
             else:
                 prefills.append(QueuedPrefill(aged.get(id(item), item.request.priority), item.job.remaining - n,
                                               item.job.position + n, item.arrival_order, after))
-        self.view = QueueView(tuple(prefills), tuple(d for d in decoding if d > 0), ends_at)
+        self.view = QueueView(tuple(prefills), tuple(d for d in decoding if d.tokens > 0), ends_at, joins_step)
 
     def _decode(self, budget: int, finished: list, emitted: list) -> int:
         """One token for each of the first `budget` running requests, in one batched forward; those that decoded go
@@ -369,15 +394,16 @@ class StepScheduler:
         return count
 
     def _aged_priorities(self) -> dict[int, int]:
-        """Each prefill's priority this step (by id): its own, one level better per AGE_STEP_S waited, never past
-        the best priority among the prefills (the module docstring says why)."""
+        """Each prefill's priority this step (by id): its own, one level better per AGE_STEP_S waited since it
+        arrived or last ran a chunk, never past the best priority among the prefills (the module docstring says
+        why)."""
         priorities = {id(item): item.request.priority for item in self._prefilling}
         best = min(priorities.values(), default=0)
         if all(p == best for p in priorities.values()):
             return priorities  # nothing to catch up with (and no clock read: steps stay as they were)
         now = self.clock()
         for item in self._prefilling:
-            levels = math.floor(max(0.0, now - item.record.submitted_at) / AGE_STEP_S)
+            levels = math.floor(max(0.0, now - item.waiting_since) / AGE_STEP_S)
             priorities[id(item)] = max(best, item.request.priority - levels)
         return priorities
 
@@ -397,14 +423,19 @@ class StepScheduler:
         waiting.sort(key=lambda item: (aged[id(item)], item.arrival_order))
         return started + waiting[:slots]
 
-    def _plan_prefills(self, admitted: list[_Prefill], budget: int,
-                       aged: dict[int, int]) -> list[tuple[_Prefill, int]]:
+    def _plan_prefills(self, admitted: list[_Prefill], budget: int, aged: dict[int, int],
+                       best: int) -> list[tuple[_Prefill, int]]:
+        """This step's prefills and their tokens; `best` is the best priority in flight (prefills and decodes)."""
         plan: list[tuple[_Prefill, int]] = []
         for item in sorted(admitted, key=lambda item: self._prefill_order(item, aged)):
             if budget <= 0:
                 break
+            if plan and aged[id(item)] > aged[id(plan[0][0])]:
+                break  # a worse prefill shares no step with a better one (and all behind it are as bad)
             job = item.job
             want = job.remaining if self.chunk_size is None else min(self.chunk_size, job.remaining)
+            if self.chunk_size is not None and aged[id(item)] > best:
+                want = min(want, self.yield_chunk)  # it yields: short steps for the better requests in flight
             if not plan:
                 n = want if self.chunk_size is None else min(want, budget)  # the first prefill always runs
             elif want <= budget:

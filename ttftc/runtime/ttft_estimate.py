@@ -23,8 +23,10 @@ that the first estimates are sane and one odd measurement cannot swing the fit.
 
 The replay (`simulate`) follows the scheduler's rules (ttftc/runtime/scheduler.py): every step decodes each
 running sequence once, then gives the rest of the token budget to prefills in (priority, shortest remaining,
-arrival) order, in chunks of at most `chunk_size`, the first prefill of a step always running. The new request
-goes after everything of a better priority, and among its own priority where its remaining tokens put it. What it
+arrival) order, in chunks of at most `chunk_size`, the first prefill of a step always running; a prefill that
+yields (a request of better priority is in flight) gets at most `yield_chunk` tokens and no step beside a better
+prefill. The new request goes after everything of a better priority, and among its own priority where its
+remaining tokens put it. What it
 cannot know: requests that arrive later with a better priority (they will jump ahead), sequences that stop at
 EOS before their max_tokens (it counts their decodes to the end), and the slots of `max_running` (it assumes a
 free one). Shared bucketed forwards are counted as separate ones: the fit absorbs what batching saves.
@@ -219,12 +221,24 @@ class QueuedPrefill:
 
 
 @dataclass(frozen=True)
+class QueuedDecode:
+    """A running sequence, as the replay sees it: its priority (a prefill of a worse one yields to it) and the
+    tokens it may still decode."""
+
+    priority: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class QueueView:
     """The scheduler's queue at one moment: published by its thread, read by any."""
 
     prefills: tuple[QueuedPrefill, ...] = ()
-    decoding: tuple[int, ...] = ()  # per running sequence, the tokens it may still decode
+    decoding: tuple[QueuedDecode, ...] = ()  # the running sequences, in the order they decode
     step_ends_at: Optional[float] = None  # scheduler clock: when the step under way should end; None between steps
+    # The step under way is decoding and takes arrivals into its prefills (the scheduler's `intake`): step_ends_at
+    # is when its decodes end, and a request queued now is planned in it.
+    joins_step: bool = False
 
     @property
     def idle(self) -> bool:
@@ -239,6 +253,7 @@ class StepShape:
     chunk_size: Optional[int] = None
     min_chunk: int = 32
     batch_window_s: float = 0.0
+    yield_chunk: Optional[int] = None  # most tokens per step of a prefill that yields; None: no bound
 
 
 @dataclass(frozen=True)
@@ -267,24 +282,27 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
              if p.remaining > 0]
     mine = _Item(new.priority, max(1, new.remaining), new.position, math.inf, new.decode_tokens, new=True)
     items.append(mine)
-    decoding = [d for d in view.decoding if d > 0]
+    decoding = [QueuedDecode(d.priority, d.tokens) for d in view.decoding if d.tokens > 0]
     ttft: Optional[float] = None
     ahead_tokens = 0
     budget_all = shape.token_budget
+    decoded_already = view.joins_step  # the first step's decodes are under way: their time is in step_ends_at
     for _ in range(_MAX_STEPS):
         if not items:
             break
         rows = min(len(decoding), budget_all)
         t += model.step_overhead_s
         if rows:
-            t += model.decode_s(rows)
-            decoding = [d - 1 for d in decoding[:rows] if d > 1] + decoding[rows:]
+            t += 0.0 if decoded_already else model.decode_s(rows)
+            decoding = [QueuedDecode(d.priority, d.tokens - 1) for d in decoding[:rows] if d.tokens > 1] + decoding[rows:]
+        decoded_already = False
         budget = budget_all - rows
         items.sort(key=lambda it: (it.priority, it.remaining, it.order))
-        plan = _plan(items, budget, shape)
+        best = min([it.priority for it in items] + [d.priority for d in decoding])
+        plan = _plan(items, budget, shape, best)
         if not plan:  # decodes fill the budget: the scheduler waits for them to end; so does the replay
             if not decoding:
-                plan = [(items[0], _want(items[0], shape))]
+                plan = [(items[0], _want(items[0], shape, best))]
             else:
                 continue
         for item, n in plan:
@@ -296,7 +314,7 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
             if item.remaining == 0:
                 items.remove(item)
                 if item.decode_tokens > 0:
-                    decoding.append(item.decode_tokens)
+                    decoding.append(QueuedDecode(item.priority, item.decode_tokens))
                 if item.new:
                     ttft = t
     else:
@@ -306,17 +324,23 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
     return TTFTEstimate(ttft_s=ttft, drain_s=t, ahead_tokens=ahead_tokens)
 
 
-def _want(item: _Item, shape: StepShape) -> int:
-    return item.remaining if shape.chunk_size is None else min(shape.chunk_size, item.remaining)
+def _want(item: _Item, shape: StepShape, best: int) -> int:
+    if shape.chunk_size is None:
+        return item.remaining
+    if item.priority > best and shape.yield_chunk is not None:
+        return min(shape.yield_chunk, shape.chunk_size, item.remaining)
+    return min(shape.chunk_size, item.remaining)
 
 
-def _plan(items: list[_Item], budget: int, shape: StepShape) -> list[tuple[_Item, int]]:
+def _plan(items: list[_Item], budget: int, shape: StepShape, best: int) -> list[tuple[_Item, int]]:
     """The scheduler's _plan_prefills over the replay's items (already in order)."""
     plan: list[tuple[_Item, int]] = []
     for item in items:
         if budget <= 0:
             break
-        want = _want(item, shape)
+        if plan and item.priority > plan[0][0].priority:
+            break  # a worse prefill shares no step with a better one (and all behind it are as bad)
+        want = _want(item, shape, best)
         if not plan:
             n = want if shape.chunk_size is None else min(want, budget)
         elif want <= budget:
