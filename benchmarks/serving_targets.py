@@ -130,7 +130,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="ttftc-serving-targets-")))
     parser.add_argument("--vocab", type=int, default=32000, help="token ids are drawn below this (llama-135m: 32000)")
     parser.add_argument("--server-flags", default="",
-                        help="flags every server gets, e.g. --eager-kv-path (no KV-path compile at each start)")
+                        help="flags every server gets, e.g. --server-flags=--eager-kv-path (no KV-path compile at "
+                        "each start); write it with '=' as the flags start with '--'")
     args = parser.parse_args()
     chosen = args.only.split(",")
     SERVER_FLAGS.extend(args.server_flags.split())
