@@ -394,7 +394,12 @@ def test_a_request_that_arrives_while_a_step_decodes_is_planned_in_that_step():
     s.submit(Request(prompt(2, 4), max_new_tokens=3))
     s.step()  # prompt 2 alone (prompt 1 is worse); it decodes from now on
     arrivals = [Request(prompt(3, 6))]
-    s.intake = lambda: [s.submit(arrivals.pop()) for _ in list(arrivals)]
+
+    def intake():  # the engine loop's part: submit what arrived since the step began
+        while arrivals:
+            s.submit(arrivals.pop())
+
+    s.intake = intake
     calls_before = len(engine.calls)
     s.step()
     # The decode ran first, then prompt 3, which arrived during it, took the step's prefill ahead of prompt 1.

@@ -25,11 +25,13 @@ The replay (`simulate`) follows the scheduler's rules (ttftc/runtime/scheduler.p
 running sequence once, then gives the rest of the token budget to prefills in (priority, shortest remaining,
 arrival) order, in chunks of at most `chunk_size`, the first prefill of a step always running; a prefill that
 yields (a request of better priority is in flight) gets at most `yield_chunk` tokens and no step beside a better
-prefill. The new request goes after everything of a better priority, and among its own priority where its
-remaining tokens put it. What it
+prefill. A request queued while a step decodes joins that step's prefills (`QueueView.joins_step`). The new request
+goes after everything of a better priority, and among its own priority where its remaining tokens put it. What it
 cannot know: requests that arrive later with a better priority (they will jump ahead), sequences that stop at
 EOS before their max_tokens (it counts their decodes to the end), and the slots of `max_running` (it assumes a
-free one). Shared bucketed forwards are counted as separate ones: the fit absorbs what batching saves.
+free one). Shared bucketed forwards are counted as separate ones: the fit absorbs what batching saves. Priorities
+do not age during the replay, and a prompt whose prefill the replay finishes decodes at the priority it had aged
+to, where the scheduler counts a running sequence at its own.
 
 Threads: the scheduler's thread observes; any thread estimates. The fitted coefficients are one tuple replaced
 whole, so a reader sees one fit or the next, never half of each.
@@ -294,7 +296,8 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
         t += model.step_overhead_s
         if rows:
             t += 0.0 if decoded_already else model.decode_s(rows)
-            decoding = [QueuedDecode(d.priority, d.tokens - 1) for d in decoding[:rows] if d.tokens > 1] + decoding[rows:]
+            decoded = [QueuedDecode(d.priority, d.tokens - 1) for d in decoding[:rows] if d.tokens > 1]
+            decoding = decoded + decoding[rows:]
         decoded_already = False
         budget = budget_all - rows
         items.sort(key=lambda it: (it.priority, it.remaining, it.order))
