@@ -408,6 +408,32 @@ def test_a_request_that_arrives_while_a_step_decodes_is_planned_in_that_step():
     assert s.records[2].first_token_at is not None
 
 
+def test_a_new_request_of_the_best_priority_prefills_before_the_steps_decodes():
+    # (priority of the new request, the calls of its step): better or equal to the decoding request's 0, it goes
+    # first; worse, the decode does.
+    for priority, expected in ((0, [("advance", 3), ("decode", 8)]), (-1, [("advance", 3), ("decode", 8)]),
+                               (1, [("decode", 8), ("advance", 3)])):
+        engine = FakeEngine()
+        s = scheduler(engine, budget=64, chunk_size=32)
+        s.submit(Request(prompt(2, 4), max_new_tokens=5))
+        s.step()  # prompt 2 prefills; it decodes from now on
+        s.submit(Request(prompt(3, 6), priority=priority))
+        before = len(engine.calls)
+        s.step()
+        assert [c[:2] for c in engine.calls[before:] if c[0] in ("decode", "advance")] == expected, priority
+
+
+def test_a_prompt_already_under_way_does_not_go_before_the_decodes():
+    engine = FakeEngine()
+    s = scheduler(engine, budget=64, chunk_size=32)
+    s.submit(Request(prompt(1, 100)))
+    s.submit(Request(prompt(2, 4), max_new_tokens=5))
+    s.step()  # prompt 2 whole and prompt 1's first chunk
+    before = len(engine.calls)
+    s.step()
+    assert [c[:2] for c in engine.calls[before:] if c[0] in ("decode", "advance")] == [("decode", 8), ("advance", 1)]
+
+
 def test_equal_priorities_keep_shortest_first_however_long_each_waited():
     clock = Clock()
     engine = FakeEngine()
@@ -851,8 +877,8 @@ def test_a_failing_batch_call_ends_its_rows_and_the_prefills_of_the_step_go_on()
     s.step()
     engine.fail_batch = True
     s.submit(Request(prompt(3, 4), max_new_tokens=1, request_id="new"))
-    stats = s.step()
-    assert stats.finished == ("a", "b", "new") and stats.decode_tokens == 0
+    stats = s.step()  # the new request prefills first (before the decodes), then the failing batch
+    assert stats.finished == ("new", "a", "b") and stats.decode_tokens == 0
     assert s.records["a"].error == "RuntimeError: injected engine bug" and s.records["a"].finish_reason == ERROR
     assert s.records["new"].finish_reason == LENGTH and s.records["new"].tokens == [8]
     assert s.idle and s.kv_tokens == 0

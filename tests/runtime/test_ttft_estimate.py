@@ -208,6 +208,28 @@ def test_the_replay_predicts_a_request_that_arrives_while_a_step_decodes_exactly
     s.run_until_idle()
 
 
+@pytest.mark.parametrize("priority", [-1, 0, 1])
+def test_the_replay_predicts_a_new_request_that_goes_before_the_decodes_exactly(priority):
+    clock = Clock()
+    engine = TimedEngine(clock)
+    s = StepScheduler(engine, 64, chunk_size=32, clock=clock, min_chunk=16, cost_model=exact_model(),
+                      max_skipped_steps=10**9)
+    s.submit(Request(prompt(1, 10), max_new_tokens=8))
+    s.submit(Request(prompt(2, 90), priority=1))
+    s.step()  # prompt 1 prefills (prompt 2, worse, waits); it decodes from now on
+    new = QueuedPrefill(priority, 30, 0, order=float("inf"), decode_tokens=1)
+    estimate = simulate(s.cost_model, s.view, s.shape, new, clock())
+    record = s.submit(Request(prompt(3, 30), max_new_tokens=2, priority=priority))
+    while record.first_token_at is None:
+        s.step()
+    assert record.ttft == pytest.approx(estimate.ttft_s, rel=1e-9)
+    if priority <= 0:  # it went before the decode of its step: its TTFT is its own forward
+        assert record.ttft == pytest.approx(true_prefill(30, 0), rel=1e-9)
+    else:
+        assert record.ttft > true_prefill(30, 0) + true_decode(1)
+    s.run_until_idle()
+
+
 def test_the_scheduler_times_each_forward_into_its_cost_model():
     # A clock that moves on every read: each forward and decode batch is timed (1 s each), nothing is dropped.
     s = StepScheduler(FakeEngine(), 64, chunk_size=32, clock=TickingClock())

@@ -19,6 +19,11 @@ Each `step()` (the Sarathi-Serve recipe, plus a batching window):
      prompt's first chunk, that fit a bucket) run together, in shared padded forwards; the others (prefix-cache
      hits, later chunks) run one after another on the KV path.
 
+New requests first. When an admitted request whose prefill has not started has the best priority in flight, the
+step runs its prefills (planned the same way, on the budget the decodes leave) before its decodes: the new
+request's first token does not wait for a decode forward. The running streams lose nothing in steady state: the
+gap between two of their tokens is a step either way, only the order inside it changes.
+
 The budget is what bounds a step's time, and so the TTFT of a short request that arrives while a long prompt is
 being prefilled: it waits for the step under way, then runs in the next one beside the long prompt's chunk. A
 smaller budget makes steps shorter (short requests wait less, streams stall less) and a long prompt's own TTFT
@@ -303,21 +308,27 @@ class StepScheduler:
         finished: list = []
         emitted: list = []
         step_started, self._forwards_s = self.clock(), 0.0
-        if self._running:
-            rows = min(len(self._running), self.token_budget)
-            self._publish_view(ends_at=self.clock() + self.cost_model.decode_s(rows),
-                               joins_step=self.intake is not None)
-        decode_tokens = self._decode(self.token_budget, finished, emitted)
-        if self.intake is not None:
-            self.intake()
         aged = self._aged_priorities()
         admitted = self._admissible(aged)
-        best = min([*aged.values(), *(run.request.priority for run in self._running)], default=0)
-        plan = self._plan_prefills(admitted, self.token_budget - decode_tokens, aged, best)
-        if plan:
-            cost = sum(self.cost_model.prefill_s(n, item.job.position) for item, n in plan)
-            self._publish_view(plan, ends_at=self.clock() + cost, aged=aged)
-        batched_rows = self._prefill(plan, finished, emitted)
+        best = self._best_in_flight(aged)
+        if self._running and any(not item.started and aged[id(item)] <= best for item in admitted):
+            # A new request of the best priority: its prefill goes before this step's decodes (module docstring).
+            rows = min(len(self._running), self.token_budget)
+            plan = self._plan_prefills(admitted, self.token_budget - rows, aged, best)
+            batched_rows = self._run_plan(plan, aged, finished, emitted, then_s=self.cost_model.decode_s(rows))
+            decode_tokens = self._decode(rows, finished, emitted)
+        else:
+            if self._running:
+                rows = min(len(self._running), self.token_budget)
+                self._publish_view(ends_at=self.clock() + self.cost_model.decode_s(rows),
+                                   joins_step=self.intake is not None)
+            decode_tokens = self._decode(self.token_budget, finished, emitted)
+            if self.intake is not None:
+                self.intake()
+            aged = self._aged_priorities()
+            admitted = self._admissible(aged)
+            plan = self._plan_prefills(admitted, self.token_budget - decode_tokens, aged, self._best_in_flight(aged))
+            batched_rows = self._run_plan(plan, aged, finished, emitted)
         served = {id(item) for item, _ in plan}
         step_ended = self.clock()
         for item in admitted:  # only a prefill that could have run and got no budget is being skipped
@@ -328,6 +339,18 @@ class StepScheduler:
         if decode_tokens or plan:
             self.cost_model.observe_step(self.clock() - step_started, self._forwards_s)
         return StepStats(decode_tokens, sum(n for _, n in plan), tuple(finished), tuple(emitted), batched_rows)
+
+    def _best_in_flight(self, aged: dict[int, int]) -> int:
+        """The best priority among the prefills (aged) and the running sequences (their own)."""
+        return min([*aged.values(), *(run.request.priority for run in self._running)], default=0)
+
+    def _run_plan(self, plan: list[tuple[_Prefill, int]], aged: dict[int, int], finished: list, emitted: list,
+                  then_s: float = 0.0) -> int:
+        """Publish the step's plan (its end: the planned forwards' predicted cost plus `then_s`) and run it."""
+        if plan:
+            cost = sum(self.cost_model.prefill_s(n, item.job.position) for item, n in plan)
+            self._publish_view(plan, ends_at=self.clock() + cost + then_s, aged=aged)
+        return self._prefill(plan, finished, emitted)
 
     # ---- the TTFT estimate -----------------------------------------------------------------------------------------
 
@@ -355,7 +378,8 @@ class StepScheduler:
                 decoding.append(QueuedDecode(item.request.priority, after))
             else:
                 prefills.append(QueuedPrefill(aged.get(id(item), item.request.priority), item.job.remaining - n,
-                                              item.job.position + n, item.arrival_order, after))
+                                              item.job.position + n, item.arrival_order, after,
+                                              started=item.started or n > 0))
         self.view = QueueView(tuple(prefills), tuple(d for d in decoding if d.tokens > 0), ends_at, joins_step)
 
     def _decode(self, budget: int, finished: list, emitted: list) -> int:

@@ -25,7 +25,8 @@ The replay (`simulate`) follows the scheduler's rules (ttftc/runtime/scheduler.p
 running sequence once, then gives the rest of the token budget to prefills in (priority, shortest remaining,
 arrival) order, in chunks of at most `chunk_size`, the first prefill of a step always running; a prefill that
 yields (a request of better priority is in flight) gets at most `yield_chunk` tokens and no step beside a better
-prefill. A request queued while a step decodes joins that step's prefills (`QueueView.joins_step`). The new request
+prefill; a step with a new (not started) prefill of the best priority runs its prefills before its decodes. A
+request queued while a step decodes joins that step's prefills (`QueueView.joins_step`). The new request
 goes after everything of a better priority, and among its own priority where its remaining tokens put it. What it
 cannot know: requests that arrive later with a better priority (they will jump ahead), sequences that stop at
 EOS before their max_tokens (it counts their decodes to the end), and the slots of `max_running` (it assumes a
@@ -220,6 +221,7 @@ class QueuedPrefill:
     position: int  # tokens already in its KV (cached prefix, chunks run)
     order: float  # arrival order: ties of priority and length go to the earlier
     decode_tokens: int = 0  # tokens it decodes after its first one (at most)
+    started: bool = False  # a forward ran some of it already (a new request, not started, may go before decodes)
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,7 @@ class _Item:
     position: int
     order: float
     decode_tokens: int
+    started: bool
     new: bool = False
 
 
@@ -280,27 +283,49 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
     t = max(0.0, view.step_ends_at - now) if view.step_ends_at is not None else 0.0
     if view.idle:
         t += shape.batch_window_s  # a lone request waits out the batching window
-    items = [_Item(p.priority, p.remaining, p.position, p.order, p.decode_tokens) for p in view.prefills
-             if p.remaining > 0]
-    mine = _Item(new.priority, max(1, new.remaining), new.position, math.inf, new.decode_tokens, new=True)
+    items = [_Item(p.priority, p.remaining, p.position, p.order, p.decode_tokens, p.started)
+             for p in view.prefills if p.remaining > 0]
+    mine = _Item(new.priority, max(1, new.remaining), new.position, math.inf, new.decode_tokens, False, new=True)
     items.append(mine)
     decoding = [QueuedDecode(d.priority, d.tokens) for d in view.decoding if d.tokens > 0]
     ttft: Optional[float] = None
     ahead_tokens = 0
     budget_all = shape.token_budget
+
+    def run(plan: list[tuple[_Item, int]]) -> None:
+        nonlocal t, ttft, ahead_tokens
+        for item, n in plan:
+            t += model.prefill_s(n, item.position)
+            if ttft is None and not item.new:
+                ahead_tokens += n
+            item.position += n
+            item.remaining -= n
+            item.started = True
+            if item.remaining == 0:
+                items.remove(item)
+                if item.decode_tokens > 0:
+                    decoding.append(QueuedDecode(item.priority, item.decode_tokens))
+                if item.new:
+                    ttft = t
+
     decoded_already = view.joins_step  # the first step's decodes are under way: their time is in step_ends_at
     for _ in range(_MAX_STEPS):
         if not items:
             break
         rows = min(len(decoding), budget_all)
         t += model.step_overhead_s
+        items.sort(key=lambda it: (it.priority, it.remaining, it.order))
+        best = min([it.priority for it in items] + [d.priority for d in decoding])
+        if rows and not decoded_already and any(not it.started and it.priority <= best for it in items):
+            run(_plan(items, budget_all - rows, shape, best))  # a new best-priority request goes before decodes
+            t += model.decode_s(rows)
+            decoding[:] = _decode_once(decoding, rows)
+            continue
         if rows:
             t += 0.0 if decoded_already else model.decode_s(rows)
-            decoded = [QueuedDecode(d.priority, d.tokens - 1) for d in decoding[:rows] if d.tokens > 1]
-            decoding = decoded + decoding[rows:]
+            decoding[:] = _decode_once(decoding, rows)
         decoded_already = False
         budget = budget_all - rows
-        items.sort(key=lambda it: (it.priority, it.remaining, it.order))
         best = min([it.priority for it in items] + [d.priority for d in decoding])
         plan = _plan(items, budget, shape, best)
         if not plan:  # decodes fill the budget: the scheduler waits for them to end; so does the replay
@@ -308,23 +333,18 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
                 plan = [(items[0], _want(items[0], shape, best))]
             else:
                 continue
-        for item, n in plan:
-            t += model.prefill_s(n, item.position)
-            if ttft is None and not item.new:
-                ahead_tokens += n
-            item.position += n
-            item.remaining -= n
-            if item.remaining == 0:
-                items.remove(item)
-                if item.decode_tokens > 0:
-                    decoding.append(QueuedDecode(item.priority, item.decode_tokens))
-                if item.new:
-                    ttft = t
+        run(plan)
     else:
         t = math.inf  # not reached: the step cap is far above any prompt the model takes
     if ttft is None:
         ttft = t
     return TTFTEstimate(ttft_s=ttft, drain_s=t, ahead_tokens=ahead_tokens)
+
+
+def _decode_once(decoding: list[QueuedDecode], rows: int) -> list[QueuedDecode]:
+    """The first `rows` sequences decode a token and go to the back, as in the scheduler; the finished leave."""
+    decoded = [QueuedDecode(d.priority, d.tokens - 1) for d in decoding[:rows] if d.tokens > 1]
+    return decoding[rows:] + decoded
 
 
 def _want(item: _Item, shape: StepShape, best: int) -> int:
