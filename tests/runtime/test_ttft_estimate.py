@@ -182,12 +182,16 @@ def test_the_replay_predicts_the_schedulers_ttft_exactly_under_an_exact_cost_mod
     s.run_until_idle()
 
 
+def timed_scheduler(budget: int) -> tuple[Clock, StepScheduler]:
+    """A scheduler over the timed engine with an exact cost model, 32-token chunks, and no starvation override."""
+    clock = Clock()
+    return clock, StepScheduler(TimedEngine(clock), budget, chunk_size=32, clock=clock, min_chunk=16,
+                                cost_model=exact_model(), max_skipped_steps=10**9)
+
+
 @pytest.mark.parametrize("priority", [0, 1, -1])
 def test_the_replay_predicts_a_request_that_arrives_while_a_step_decodes_exactly(priority):
-    clock = Clock()
-    engine = TimedEngine(clock)
-    s = StepScheduler(engine, 96, chunk_size=32, clock=clock, min_chunk=16, cost_model=exact_model(),
-                      max_skipped_steps=10**9)
+    clock, s = timed_scheduler(96)
     s.submit(Request(prompt(1, 300), priority=1))
     s.submit(Request(prompt(2, 20), max_new_tokens=6))
     s.step()
@@ -210,10 +214,7 @@ def test_the_replay_predicts_a_request_that_arrives_while_a_step_decodes_exactly
 
 @pytest.mark.parametrize("priority", [-1, 0, 1])
 def test_the_replay_predicts_a_new_request_that_goes_before_the_decodes_exactly(priority):
-    clock = Clock()
-    engine = TimedEngine(clock)
-    s = StepScheduler(engine, 64, chunk_size=32, clock=clock, min_chunk=16, cost_model=exact_model(),
-                      max_skipped_steps=10**9)
+    clock, s = timed_scheduler(64)
     s.submit(Request(prompt(1, 10), max_new_tokens=8))
     s.submit(Request(prompt(2, 90), priority=1))
     s.step()  # prompt 1 prefills (prompt 2, worse, waits); it decodes from now on
