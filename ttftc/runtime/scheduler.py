@@ -311,15 +311,14 @@ class StepScheduler:
         aged = self._aged_priorities()
         admitted = self._admissible(aged)
         best = self._best_in_flight(aged)
-        if self._running and any(not item.started and aged[id(item)] <= best for item in admitted):
+        rows = min(len(self._running), self.token_budget)  # the sequences this step decodes
+        if rows and any(not item.started and aged[id(item)] <= best for item in admitted):
             # A new request of the best priority: its prefill goes before this step's decodes (module docstring).
-            rows = min(len(self._running), self.token_budget)
             plan = self._plan_prefills(admitted, self.token_budget - rows, aged, best)
             batched_rows = self._run_plan(plan, aged, finished, emitted, then_s=self.cost_model.decode_s(rows))
             decode_tokens = self._decode(rows, finished, emitted)
         else:
-            if self._running:
-                rows = min(len(self._running), self.token_budget)
+            if rows:
                 self._publish_view(ends_at=self.clock() + self.cost_model.decode_s(rows),
                                    joins_step=self.intake is not None)
             decode_tokens = self._decode(self.token_budget, finished, emitted)
