@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from tests.codegen.conftest import NATIVE_ISAS, native_isas_here
 from ttftc.codegen.cpu import _native
 
 pytestmark = pytest.mark.skipif(_native.unavailable_reason() is not None, reason=str(_native.unavailable_reason()))
@@ -200,3 +201,158 @@ def test_an_output_that_does_not_hold_what_the_kernel_writes_is_refused_untouche
     with pytest.raises(ValueError):
         call(out)
     assert bool((out == 7).all())
+
+
+# -- issue 40: the operators' own thread cap, -128 in a packed weight, a non-finite attention scale ----------------
+
+INT_MAX = 2**31 - 1
+
+
+def test_the_operators_and_the_wrappers_share_one_thread_cap():
+    """csrc/native.cpp's kMaxThreads, as the module reports it, is the cap the wrappers check (MAX_THREADS)."""
+    from ttftc.codegen.cpu import _native_kernels
+
+    assert _native_kernels.max_threads() == _native.MAX_THREADS
+
+
+# Every operator's call with a given thread count, over a few work items (so the old code, which took up to INT_MAX,
+# started no more threads than it could here).
+_SMALL_CALLS = {
+    "attention": lambda t: ops.attention(_X4, _X4, _X4, torch.empty_like(_X4), None, True, 0.25, 0, 0, 8, t, False),
+    "quantize_rows": lambda t: ops.quantize_rows(_X, torch.empty(4, 8, dtype=torch.int8), torch.empty(4), t),
+    "norm": lambda t: ops.norm(_X, None, None, _W, None, None, None, torch.empty(4, 8), False, 1e-5, t),
+    "gated_act": lambda t: ops.gated_act(_X, torch.empty(4, 4), "silu", t),
+    "dequant": lambda t: ops.dequant(_ACC, torch.ones(4), _W, None, torch.empty(4, 8), t),
+    "gated_quant": lambda t: ops.gated_quant(_ACC, torch.ones(4), _W, None, torch.empty(4, 4, dtype=torch.int8),
+                                             torch.empty(4), "silu", t),
+    "rope": lambda t: ops.rope(_X4, _X4, _X4, torch.empty_like(_X4), t),
+    "int8_gemm": lambda t: ops.int8_gemm(_GEMM_X, _native.pack_int8_weight(_GEMM_W), None, None, None,
+                                         torch.empty(4, 10, dtype=torch.int32), 64, 2, t),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_SMALL_CALLS))
+def test_every_operator_refuses_threads_past_the_cap_and_takes_the_cap(op):
+    with pytest.raises(ValueError, match=rf"^{op}: threads must be in \[1, {_native.MAX_THREADS}\]"):
+        _SMALL_CALLS[op](_native.MAX_THREADS + 1)
+    _SMALL_CALLS[op](_native.MAX_THREADS)  # the kernels start no more threads than they have work items
+
+
+_THREADS_PROBE = """
+import resource, sys, torch
+from ttftc.codegen.cpu import _native
+assert _native.unavailable_reason() is None, _native.unavailable_reason()
+ops = torch.ops.ttftc_native
+# Thousands of work items per call: asked for INT_MAX threads, a kernel would ask the OpenMP team for all of them.
+rows = 8 * 4096
+x, w, acc = torch.randn(rows, 8), torch.ones(8), torch.zeros(rows, 8, dtype=torch.int32)
+heads = torch.randn(1, 4096, 1, 8)
+gemm_x, packed = torch.ones(rows, 4, dtype=torch.int8), _native.pack_int8_weight(torch.ones(8, 4, dtype=torch.int8))
+calls = {
+    "attention": lambda t: ops.attention(heads, heads, heads, torch.empty_like(heads), None, False, 0.25, 0, 0, 8, t,
+                                         False),
+    "quantize_rows": lambda t: ops.quantize_rows(x, torch.empty(rows, 8, dtype=torch.int8), torch.empty(rows), t),
+    "norm": lambda t: ops.norm(x, None, None, w, None, None, None, torch.empty(rows, 8), False, 1e-5, t),
+    "gated_act": lambda t: ops.gated_act(x, torch.empty(rows, 4), "silu", t),
+    "dequant": lambda t: ops.dequant(acc, torch.ones(rows), w, None, torch.empty(rows, 8), t),
+    "gated_quant": lambda t: ops.gated_quant(acc, torch.ones(rows), w, None, torch.empty(rows, 4, dtype=torch.int8),
+                                             torch.empty(rows), "silu", t),
+    "rope": lambda t: ops.rope(heads, heads, heads, torch.empty_like(heads), t),
+    "int8_gemm": lambda t: ops.int8_gemm(gemm_x, packed, None, None, None, torch.empty(rows, 8, dtype=torch.int32), 1,
+                                         1, t),
+}
+# Little address space left for thread stacks: where the old code let INT_MAX through, libgomp failed to create the
+# team at once and exited the process ("libgomp: Thread creation failed"), rather than after thousands of threads.
+with open("/proc/self/status") as status:
+    vm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, ((vm_kib << 10) + (512 << 20),) * 2)
+for name, call in calls.items():
+    try:
+        call(int(sys.argv[1]))
+    except ValueError as exc:
+        print(name, "refused", f"threads must be in [1, {_native.MAX_THREADS}]" in str(exc))
+    else:
+        print(name, "ran")
+"""
+
+
+def test_a_thread_count_of_int_max_is_refused_by_every_operator_never_exits_the_process():
+    """Issue 40, finding 2: the operators took threads up to INT_MAX, and over enough work items libgomp could not
+    create the team and exited the process. Each now refuses past its cap with a ValueError naming it; the process
+    exits cleanly."""
+    run = subprocess.run([sys.executable, "-c", _THREADS_PROBE, str(INT_MAX)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(run.stdout.splitlines()) == [f"{name} refused True" for name in sorted(_SMALL_CALLS)], run.stdout
+
+
+@pytest.fixture(params=NATIVE_ISAS)
+def every_isa(request):
+    """Once per instruction-set version of the kernels this CPU runs (the AVX-512 ones run int8_gemm's VNNI version
+    where the CPU has it)."""
+    if request.param not in native_isas_here():
+        pytest.skip(f"this CPU does not run the {request.param} kernels")
+    previous = _native.set_isa(request.param)
+    yield request.param
+    _native.set_isa(previous)
+
+
+def _packed_with_minus_128(n: int, k: int, where: str) -> torch.Tensor:
+    """A valid packed weight with one byte at -128: the first, the last, or one in the middle of a middle panel."""
+    packed = _native.pack_int8_weight(torch.randint(-127, 128, (n, k), dtype=torch.int8,
+                                                    generator=torch.Generator().manual_seed(n * k)))
+    flat = packed.view(-1)
+    flat[{"first": 0, "last": flat.numel() - 1, "middle": flat.numel() // 2 + 5}[where]] = -128
+    return packed
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("m, block_rows, threads", [(1, 64, 1), (9, 4, 1), (70, 64, 2), (130, 3, 2)])
+def test_the_gemm_operator_refuses_a_packed_weight_holding_minus_128(every_isa, where, m, block_rows, threads):
+    """Issue 40, finding 8: the kernel negates weights (x's sign moves onto them), and -(-128) is no int8, so such a
+    weight gave wrong numbers silently when it reached the operator without pack_int8_weight's check. The operator
+    now raises, whatever the row count, the work split or the byte's place."""
+    n, k = 64, 36
+    xq = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=torch.Generator().manual_seed(m))
+    packed = _packed_with_minus_128(n, k, where)
+    out = torch.empty(m, n, dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed weight holds -128"):
+        ops.int8_gemm(xq, packed, None, None, None, out, block_rows, 2, threads)
+    with pytest.raises(ValueError, match="packed weight holds -128"):  # dequantised, through the wrapper
+        _native.int8_gemm(xq, packed, n, torch.ones(m), torch.ones(n), out_dtype=torch.float32)
+
+
+def test_the_gemm_operator_still_takes_minus_127_everywhere(every_isa):
+    """The check is for -128 alone: a weight of all -127 against activations of all -128 is exact."""
+    w = torch.full((16, 8), -127, dtype=torch.int8)
+    xq = torch.full((5, 8), -128, dtype=torch.int8)
+    out = torch.empty(5, 16, dtype=torch.int32)
+    ops.int8_gemm(xq, _native.pack_int8_weight(w), None, None, None, out, 64, 2, 1)
+    assert torch.equal(out, torch._int_mm(xq, w.t()))
+
+
+def _sdpa_math(q, k, v, *, causal, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # SDPA's definition; the CPU flash backend drops a NaN scale to zeros
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("causal, kv_len", [(False, None), (True, None), (True, (3,))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_attention_scale_gives_nan_as_sdpa_does(scale, causal, kv_len, dtype):
+    """Issue 40, finding 8: the kernel's softmax skipped NaN scores, so a NaN scale gave zeros. SDPA multiplies every
+    score by the scale: a NaN or infinite one makes every output NaN, and so does the operator now, on the wrapper's
+    path and the operator's."""
+    if dtype not in _native.attention_dtypes():
+        pytest.skip(f"the native attention kernel runs {_native.attention_dtypes()} here")
+    q = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    lengths = None if kv_len is None else torch.tensor(kv_len)
+    expected = _sdpa_math(q.float(), q.float(), q.float(), causal=causal, scale=scale)
+    assert bool(expected.isnan().all())
+    out = torch.zeros_like(q)
+    ops.attention(q, q, q, out, lengths, causal, scale, 0, 0, 8, 1, False)
+    assert bool(out.isnan().all())
+    wrapped = _attend(q, q, q, torch.zeros_like(q), lengths, causal=causal, scale=scale)
+    assert bool(wrapped.isnan().all())

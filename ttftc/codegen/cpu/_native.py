@@ -36,7 +36,9 @@ ATTENTION_DIM_MULTIPLE = 8
 # block of all of them (the C++ side clamps it). Up to this many is taken whatever the keys; more is refused, as is
 # less than one: no block size is tuned near it (autotune tries 32-256), and it only sized the working memory.
 MAX_BLOCK_K = 1 << 12
-# Threads a call may ask for (the kernels never start more than they have work items for).
+# Threads a call may ask for (the kernels never start more than they have work items for). libgomp exits the process
+# when it cannot create a team's threads, so the operators refuse more than this themselves (csrc/native.cpp's
+# kMaxThreads, which the module's max_threads() returns; a test checks that the two agree).
 MAX_THREADS = 1 << 12
 # The attention masks compare query and key positions as fp32, which holds every integer up to 2**24 exactly.
 MAX_POSITION = 1 << 24
@@ -190,7 +192,8 @@ def attention(q, k, v, out, kv_len, *, causal: bool, scale: float, q_offset: int
     q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv], out [B, Hq, Sq, Dv]: any strides with the last
     dimension contiguous. Query i sits at key position q_offset + i; causal hides keys after it, window (> 0,
     causal only) keys at or before q_offset + i - window, kv_len[b] (int64, optional) keys from kv_len[b] on.
-    A query that sees no key gets zeros. pack_kv (fp32 only; ignored for bf16): copy K and V into the kernel's
+    A query that sees no key gets zeros. A NaN or infinite scale makes every output NaN, as in SDPA's definition
+    (scores times the scale, then softmax). pack_kv (fp32 only; ignored for bf16): copy K and V into the kernel's
     tile order first, into a buffer the calling thread keeps for the next call (up to 64 MiB). block_k: keys per
     block, in [1, max(Skv, MAX_BLOCK_K)]; threads: in [1, MAX_THREADS]; positions (q_offset + Sq, Skv) up to
     MAX_POSITION.
@@ -437,7 +440,8 @@ def int8_gemm(xq: torch.Tensor, packed: torch.Tensor, n: int, x_scale: Optional[
     or dequantised as acc * w_scale[None, :] * x_scale[:, None] (+ bias) in fp32 or bf16, as dequant() computes it.
 
     block_rows / block_vecs: rows and 8-column vectors per work item (block_vecs defaults to 256 KiB of packed
-    weight)."""
+    weight). A packed weight holding -128 (not pack_int8_weight's) is a ValueError from the operator, which finds it
+    in the bytes its first rows load anyway: a scan here before every call would read the weight twice at M = 1."""
     _check(unavailable_reason() is None, f"int8_gemm: {unavailable_reason()}")
     _on_cpu("int8_gemm", xq=xq, packed=packed, x_scale=x_scale, w_scale=w_scale, bias=bias)
     _check(xq.dtype == torch.int8 and xq.dim() == 2 and _rows_ready(xq), "int8_gemm: xq must be int8 [M, K] rows")

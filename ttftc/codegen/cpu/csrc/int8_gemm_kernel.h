@@ -7,6 +7,13 @@
 // the packer in _native.py refuses such a weight, and the quantiser clamps to [-127, 127]). vpmaddwd with ones then
 // widens the pair sums into int32 lanes, where they are accumulated.
 //
+// The operator takes a packed weight from anyone, so the kernel also looks for -128 itself: the first row tiles of
+// the work items whose rows start at 0 (together they load every byte of the packed weight) keep a running byte
+// minimum of the weight vectors they load anyway, and report one that reaches -128 (a.saw_minus_128; the operator
+// raises). One vpminsb per weight vector in those tiles and no extra memory traffic, where a scan of its own before
+// every call would read the weight twice at M = 1; every other tile skips it. The scalar version checks the same
+// bytes (its int32 product is exact either way, but the contract is the same on every ISA).
+//
 // The weight is packed once (_native.pack_int8_weight) as [ceil(N / 8)][ceil(K / 4)][8 columns][4 k] int8, zero
 // padded: one 32-byte load is 4 consecutive k of 8 consecutive columns, which is exactly what one broadcast of 4
 // activation bytes multiplies into 8 int32 lanes (one per column). A register tile is kRows rows x kVecs such
@@ -94,11 +101,14 @@ static inline __m256i i8_madd(__m256i acc, __m256i x4, __m256i ax4, __m256i w, _
 
 // One k group (4 bytes of each of R rows, at x[r]) into the R x V accumulators. The bytes are broadcast straight
 // from memory (vbroadcastss: one load uop, where a 32-bit integer load goes through a general register first).
-template <int R, int V>
+// kCheck: fold the weight bytes into `low`, their running minimum.
+template <int R, int V, bool kCheck>
 static inline void i8_group_step(__m256i (&acc)[R][V], const int8_t* w, int64_t panel, const int8_t* const (&x)[R],
-                                 __m256i ones) {
+                                 __m256i ones, __m256i& low) {
   __m256i wv[V];
   for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * panel));
+  if constexpr (kCheck)
+    for (int v = 0; v < V; ++v) low = _mm256_min_epi8(low, wv[v]);
   for (int r = 0; r < R; ++r) {
     const __m256i x4 = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(x[r])));
     const __m256i ax4 = _mm256_abs_epi8(x4);
@@ -106,13 +116,14 @@ static inline void i8_group_step(__m256i (&acc)[R][V], const int8_t* w, int64_t 
   }
 }
 
-template <int R, int V>
+template <int R, int V, bool kCheck>
 static void i8_tile(const Int8GemmArgs& a, int64_t m0, int64_t nv0) {
   const int64_t full = a.k / kI8Depth, groups = (a.k + kI8Depth - 1) / kI8Depth;
   const int8_t* w = a.packed + nv0 * a.panel;
   const int8_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = a.x + (m0 + r) * a.x_rs;
   const __m256i ones = _mm256_set1_epi16(1);
+  __m256i low = _mm256_setzero_si256();
   __m256i acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_si256();
@@ -124,8 +135,10 @@ static void i8_tile(const Int8GemmArgs& a, int64_t m0, int64_t nv0) {
   for (int64_t g = 0; g < groups; ++g) {
     for (int r = 0; r < R; ++r)
       xg[r] = g < full ? x[r] + g * kI8Depth : reinterpret_cast<const int8_t*>(&tail[r]);
-    i8_group_step<R, V>(acc, w + g * 32, a.panel, xg, ones);
+    i8_group_step<R, V, kCheck>(acc, w + g * 32, a.panel, xg, ones, low);
   }
+  if (kCheck && _mm256_movemask_epi8(_mm256_cmpeq_epi8(low, _mm256_set1_epi8(-128))))
+    a.saw_minus_128->store(true, std::memory_order_relaxed);
   // All accumulators leave their registers at once, in unrolled code: an epilogue indexing them in a loop would
   // make the compiler keep a memory copy of them up to date inside the k loop.
   alignas(32) int32_t lanes[R][V][kI8Cols];
@@ -142,26 +155,37 @@ static void i8_tile(const Int8GemmArgs& a, int64_t m0, int64_t nv0) {
   }
 }
 
-template <int R>
+template <int R, bool kCheck>
 static void i8_row_tiles(const Int8GemmArgs& a, int64_t m0, int64_t nv_begin, int64_t nv_end) {
   int64_t nv = nv_begin;
-  for (; nv + kI8Vecs <= nv_end; nv += kI8Vecs) i8_tile<R, kI8Vecs>(a, m0, nv);
-  for (; nv < nv_end; ++nv) i8_tile<R, 1>(a, m0, nv);
+  for (; nv + kI8Vecs <= nv_end; nv += kI8Vecs) i8_tile<R, kI8Vecs, kCheck>(a, m0, nv);
+  for (; nv < nv_end; ++nv) i8_tile<R, 1, kCheck>(a, m0, nv);
+}
+
+// The tiles of up to kI8Rows rows from m0 (fewer at the block's end); returns how many rows they took.
+template <bool kCheck>
+static int64_t i8_rows(const Int8GemmArgs& a, int64_t m0, int64_t m_end, int64_t nv_begin, int64_t nv_end) {
+  switch (std::min<int64_t>(kI8Rows, m_end - m0)) {
+    case 4: i8_row_tiles<4, kCheck>(a, m0, nv_begin, nv_end); return 4;
+    case 3: i8_row_tiles<3, kCheck>(a, m0, nv_begin, nv_end); return 3;
+    case 2: i8_row_tiles<2, kCheck>(a, m0, nv_begin, nv_end); return 2;
+    default: i8_row_tiles<1, kCheck>(a, m0, nv_begin, nv_end); return 1;
+  }
 }
 
 static void i8_block(const Int8GemmArgs& a, int64_t m_begin, int64_t m_end, int64_t nv_begin, int64_t nv_end) {
+  static_assert(kI8Rows == 4, "i8_rows has a case per row count");
   int64_t m = m_begin;
-  for (; m + kI8Rows <= m_end; m += kI8Rows) i8_row_tiles<kI8Rows>(a, m, nv_begin, nv_end);
-  switch (m_end - m) {
-    case 3: i8_row_tiles<3>(a, m, nv_begin, nv_end); break;
-    case 2: i8_row_tiles<2>(a, m, nv_begin, nv_end); break;
-    case 1: i8_row_tiles<1>(a, m, nv_begin, nv_end); break;
-    default: break;
-  }
+  if (m == 0 && m < m_end) m += i8_rows<true>(a, m, m_end, nv_begin, nv_end);  // the first tiles look for -128
+  while (m < m_end) m += i8_rows<false>(a, m, m_end, nv_begin, nv_end);
 }
 #else
 static void i8_block(const Int8GemmArgs& a, int64_t m_begin, int64_t m_end, int64_t nv_begin, int64_t nv_end) {
   const int64_t groups = (a.k + kI8Depth - 1) / kI8Depth;
+  if (m_begin == 0) {  // the first row block looks for -128 in the weight bytes of its columns
+    const int8_t *begin = a.packed + nv_begin * a.panel, *end = a.packed + nv_end * a.panel;
+    if (std::find(begin, end, int8_t(-128)) != end) a.saw_minus_128->store(true, std::memory_order_relaxed);
+  }
   for (int64_t m = m_begin; m < m_end; ++m) {
     const int8_t* x = a.x + m * a.x_rs;
     for (int64_t nv = nv_begin; nv < nv_end; ++nv) {

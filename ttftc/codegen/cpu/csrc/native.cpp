@@ -28,12 +28,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <initializer_list>
+#include <limits>
 #include <optional>
 #include <string>
 #include <thread>
@@ -179,6 +179,9 @@ struct Int8GemmArgs {
   int64_t m, n, k;
   int out_kind;
   int64_t block_m, block_nv;  // rows and 8-column vectors per work item
+  // Set by the kernel where the packed weight holds -128, which its sign trick cannot negate (int8_gemm_kernel.h):
+  // the results are wrong then, and the operator raises instead of returning them.
+  std::atomic<bool>* saw_minus_128 = nullptr;
 };
 
 // Per-thread working memory of one attention call, 64-byte aligned for vector loads.
@@ -398,10 +401,17 @@ constexpr int kIsas = 4;
 template <class Args>
 using Kernel = bool (*)(const Args&, int);
 
+// Threads a call may ask for (the kernels never start more than they have work items for). libgomp does not report a
+// thread it cannot create: it exits the process ("libgomp: Thread creation failed"). So a count from anyone is capped
+// here, before any team starts, far below what a process can start; _native.MAX_THREADS is the same cap (the module's
+// max_threads() returns this one, and a test checks that the two agree).
+constexpr int64_t kMaxThreads = int64_t(1) << 12;
+
 // Every check below raises a c10 exception, which the dispatcher hands to Python as ValueError (TORCH_CHECK_VALUE)
 // or torch.OutOfMemoryError.
 void check_threads(const char* name, int64_t threads) {
-  TORCH_CHECK_VALUE(threads >= 1 && threads <= INT_MAX, name, ": threads must be in [1, ", INT_MAX, "], got ", threads);
+  TORCH_CHECK_VALUE(threads >= 1 && threads <= kMaxThreads, name, ": threads must be in [1, ", kMaxThreads,
+                    "] (the cap on threads a call may ask for), got ", threads);
 }
 
 void non_negative(const char* name, std::initializer_list<int64_t> counts) {
@@ -419,6 +429,20 @@ void launch(const char* name, const Kernel<Args> (&by_isa)[kIsas], const Args& a
 // The attention masks compare query and key positions as fp32, which holds every integer up to 2^24 exactly.
 constexpr int64_t kMaxPosition = int64_t(1) << 24;
 
+// Every element of the attention output NaN, through its strides (bf16: the quiet NaN the kernels store).
+void fill_nan(const AttentionArgs& a, bool bf16) {
+  for (int64_t b = 0; b < a.batch; ++b)
+    for (int64_t h = 0; h < a.hq; ++h)
+      for (int64_t i = 0; i < a.sq; ++i) {
+        const int64_t row = b * a.o_sb + h * a.o_sh + i * a.o_ss;
+        if (bf16) {
+          std::fill_n(static_cast<uint16_t*>(a.o) + row, a.dv, uint16_t(0x7fc0));
+        } else {
+          std::fill_n(static_cast<float*>(a.o) + row, a.dv, std::numeric_limits<float>::quiet_NaN());
+        }
+      }
+}
+
 // bf16 needs the avx512_bf16 kernels. `empty`: nothing to write (the counts are still checked).
 void run_attention(AttentionArgs a, bool bf16, int64_t threads, bool empty) {
   non_negative("attention", {a.batch, a.hq, a.hkv, a.sq, a.skv, a.d, a.dv, a.q_offset, a.window});
@@ -433,6 +457,10 @@ void run_attention(AttentionArgs a, bool bf16, int64_t threads, bool empty) {
   // in the kernel's fp32 position arithmetic.
   if (a.window > a.q_offset + a.sq) a.window = a.q_offset + a.sq;
   if (empty) return;
+  // SDPA's definition (its math backend, and ttftc's reference) multiplies every score by the scale: a NaN or
+  // infinite one makes every score, and so every output, NaN. The kernel's softmax would not: its running maximum and
+  // its exp2 clamp skip a NaN score, so it wrote zeros.
+  if (!std::isfinite(a.scale)) return fill_nan(a, bf16);
   if (!bf16) {
     static const Kernel<AttentionArgs> kernels[kIsas] = TTFTC_BY_ISA(attention);
     return launch("attention", kernels, a, threads);
@@ -485,7 +513,9 @@ void run_gated_quant(const GatedQuantArgs& a, int64_t threads) {
 bool int8_vnni() { return kHasVnni && (kIsa == Isa::avx512 || kIsa == Isa::avx512_bf16); }
 
 // out = x [M, K] s8 . packed weight [N, K] s8, as int32 (out_kind 0) or dequantised (acc * w_scale * x_scale + bias)
-// as fp32 (1) or bf16 (2). See int8_gemm_kernel.h. Fills in a.panel.
+// as fp32 (1) or bf16 (2). See int8_gemm_kernel.h. Fills in a.panel. A packed weight holding -128 is a ValueError
+// after the run: the kernel looks for it in the weight bytes its first row tiles load anyway, so the check costs no
+// memory traffic (a scan of its own before every call would read the weight twice at M = 1).
 void run_int8_gemm(Int8GemmArgs a, int64_t threads) {
   non_negative("int8_gemm", {a.x_rs, a.out_rs, a.m, a.n, a.k});
   TORCH_CHECK_VALUE(a.out_kind >= 0 && a.out_kind <= 2 && a.block_m >= 1 && a.block_nv >= 1, "int8_gemm: out_kind ",
@@ -502,15 +532,19 @@ void run_int8_gemm(Int8GemmArgs a, int64_t threads) {
         __builtin_mul_overflow(a.m, a.out_rs, &out_end) || __builtin_add_overflow(out_end, a.n, &out_end) ||
         __builtin_mul_overflow(m_blocks, n_blocks, &items)),
       "int8_gemm: the operands' sizes overflow int64");
-#ifdef TTFTC_X86
-  if (int8_vnni()) {
-    static const Kernel<Int8GemmArgs> kernels[kIsas] = {nullptr, nullptr, isa_avx512_vnni::int8_gemm,
-                                                        isa_avx512_vnni::int8_gemm};
-    return launch("int8_gemm", kernels, a, threads);
-  }
-#endif
+  std::atomic<bool> saw_minus_128{false};
+  a.saw_minus_128 = &saw_minus_128;
   static const Kernel<Int8GemmArgs> kernels[kIsas] = TTFTC_BY_ISA(int8_gemm);
+#ifdef TTFTC_X86
+  static const Kernel<Int8GemmArgs> vnni[kIsas] = {nullptr, nullptr, isa_avx512_vnni::int8_gemm,
+                                                   isa_avx512_vnni::int8_gemm};
+  launch("int8_gemm", int8_vnni() ? vnni : kernels, a, threads);
+#else
   launch("int8_gemm", kernels, a, threads);
+#endif
+  TORCH_CHECK_VALUE(!saw_minus_128.load(), "int8_gemm: the packed weight holds -128, which the kernel's sign trick "
+                    "cannot negate, so `out` holds wrong numbers; int8 weights must lie in [-127, 127] (pack them with "
+                    "ttftc.codegen.cpu._native.pack_int8_weight, which refuses -128)");
 }
 
 // --- the operators, torch.ops.ttftc_native.* ------------------------------------------------------------------
@@ -765,6 +799,8 @@ PyObject* int8_gemm_isa(PyObject*, PyObject*) {
 
 PyObject* isa(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(kIsa)); }
 
+PyObject* max_threads(PyObject*, PyObject*) { return PyLong_FromLongLong(kMaxThreads); }
+
 // use_openmp(path) -> bool: run parallel kernels on the OpenMP runtime at `path`, which must already be loaded in
 // this process (RTLD_NOLOAD: nothing new is loaded); False, and our own threads, when it is not.
 PyObject* use_openmp(PyObject*, PyObject* args) {
@@ -803,6 +839,7 @@ PyMethodDef kMethods[] = {
     // The kernels themselves are torch.ops.ttftc_native.* (TORCH_LIBRARY below).
     {"int8_gemm_isa", int8_gemm_isa, METH_NOARGS, "The version of int8_gemm this process runs."},
     {"isa", isa, METH_NOARGS, "The instruction set the kernels run with on this CPU."},
+    {"max_threads", max_threads, METH_NOARGS, "The most threads an operator call may ask for."},
     {"use_openmp", use_openmp, METH_VARARGS, "Run parallel kernels on this already-loaded OpenMP runtime."},
     {"set_isa", set_isa, METH_VARARGS, "Run the kernels with another instruction set this CPU has; returns the previous."},
     {"source_digest", source_digest, METH_NOARGS, "sha256 of the sources this module was built from."},
