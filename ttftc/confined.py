@@ -4,7 +4,8 @@ when it stays inside that directory.
 A name is a relative path of plain parts (letters, digits, `_`, `-`, `.`; no empty part, no `.` or `..`, no
 backslash). The directory holding the file, symlinks resolved, must be the root or lie inside it (also resolved),
 and the file itself is never followed as a symlink: `read_regular` opens it with O_NOFOLLOW and reads only a regular
-file (a FIFO would block the reader forever), `regular_file` checks the same with lstat, and unlinking or renaming
+file (a FIFO would block the reader forever) no larger than the caller's limit for that kind of file, checked before
+reading; `regular_file` checks the same with lstat, and unlinking or renaming
 over a symlink replaces the link, not its target. So neither a crafted name (`../x`, `/etc/passwd`) nor a symlink
 planted in the directory makes ttftc read, write or delete a file elsewhere.
 """
@@ -46,19 +47,41 @@ def regular_file(path: Path) -> Path:
     return path
 
 
-def read_regular(path: Path, *, limit: Optional[int] = None) -> bytes:
+def read_regular(path: Path, *, limit: int) -> bytes:
     """The bytes of the regular file at `path`, refusing a symlink or a special file at the last component, and a
-    file of more than `limit` bytes (None: any size)."""
+    file of more than `limit` bytes.
+
+    The limit is required: every kind of file ttftc reads has its own, and it is checked against fstat before a
+    byte is read, so a huge (or sparse) file costs nothing. The descriptor is closed on every path, a refusal
+    included: one leaked per refused request would run a server out of descriptors.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise TypeError(f"read_regular needs a byte limit (a non-negative int), got {limit!r}")
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         if isinstance(exc, FileNotFoundError):
             raise
         raise UnsafePathError(f"{path} cannot be opened as a regular file ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise UnsafePathError(f"{path} is not a regular file")
-        data = f.read() if limit is None else f.read(limit + 1)
-        if limit is not None and len(data) > limit:
-            raise UnsafePathError(f"{path} is larger than {limit} bytes")
-        return data
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "special"
+            raise UnsafePathError(f"{path} is not a regular file ({kind})")
+        if info.st_size > limit:
+            raise UnsafePathError(f"{path} is larger than {limit} bytes ({info.st_size})")
+        chunks, remaining = [], limit + 1  # one byte more than allowed: a file that grew since fstat is refused
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+    except OSError as exc:  # an I/O error, or a directory that fstat could not see as one
+        raise UnsafePathError(f"{path} cannot be read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise UnsafePathError(f"{path} is larger than {limit} bytes")
+    return data

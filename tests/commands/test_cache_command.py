@@ -5,13 +5,13 @@ import json
 import torch
 
 from tests.bench.helpers import error_lines, run_cli
-from ttftc.runtime.kv_disk import KVDiskTier, child_digest, root_digest
+from ttftc.runtime.kv_disk import KVDiskTier, child_address, root_address
 
 
 def _tier_with_blocks(path, count: int) -> int:
     tier = KVDiskTier(path, 1 << 20, model_key="m", dtype=torch.float32, block_shape=(1, 2, 1, 4, 8))
     for i in range(count):
-        tier.store(child_digest(root_digest("m", "default"), (i, i, i, i)), torch.full((1, 2, 1, 4, 8), float(i)))
+        tier.store(child_address(root_address("m", "default"), (i, i, i, i)), torch.full((1, 2, 1, 4, 8), float(i)))
     return tier.stats().bytes
 
 

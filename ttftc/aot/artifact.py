@@ -5,11 +5,12 @@
     DIR/weights.safetensors    the transformed constants (merged, transposed, quantised weights), each once
     DIR/graphs/<signature>.json  one graph per signature, after passes and lowering (cache/graph_format.py)
 
-`load_artifact` checks the manifest's schema (manifest.py), versions and checksums, then reads, hashes and checks
-every graph (graph_format.py: allow-listed targets, identifier names) before it returns a BucketedModel whose graphs
-are built from that data on first use: no Dynamo, no passes, no lowering, in the loading process. The artifact is
-untrusted data: no code runs from it, and no name in it leads outside its directory (ttftc/confined.py). Every
-failure is an ArtifactError naming the file and the remedy, raised by `load_artifact`, never at the first call.
+`load_artifact` checks the manifest's schema (manifest.py) and versions, reads the weights into memory once and
+hashes those bytes (weights.py: the loaded model never maps the file), then reads, hashes and checks every graph
+(graph_format.py: allow-listed targets, identifier names) before it returns a BucketedModel whose graphs are built
+from that data on first use: no Dynamo, no passes, no lowering, in the loading process. The artifact is untrusted
+data: no code runs from it, and no name in it leads outside its directory (ttftc/confined.py). Every failure is an
+ArtifactError naming the file and the remedy, raised by `load_artifact`, never at the first call.
 """
 
 from __future__ import annotations
@@ -26,15 +27,16 @@ from typing import Any, Optional, Sequence
 import safetensors.torch
 import torch
 
-from ttftc.aot.manifest import ARTIFACT_FORMAT, GRAPHS, MANIFEST, WEIGHTS, Manifest, graph_file, parse_manifest
-from ttftc.aot.weights import map_safetensors
+from ttftc.aot.manifest import (ARTIFACT_FORMAT, GRAPHS, MANIFEST, MAX_MANIFEST_BYTES, WEIGHTS, Manifest, graph_file,
+                                parse_manifest)
+from ttftc.aot.weights import read_file, tensors_in
 from ttftc.bucketed import BucketedModel
 from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.cache.atomic import write_json
 from ttftc.cache.checksums import CHUNK_BYTES, chunk_digests, first_bad_chunk, sha256_file
 from ttftc.confined import UnsafePathError, confined_path, read_regular, regular_file
-from ttftc.cache.graph_format import ProgramSpec, encode_program, parse_program
+from ttftc.cache.graph_format import MAX_GRAPH_BYTES, ProgramSpec, encode_program, parse_program
 from ttftc.cache.keys import device_description
 from ttftc.source_hash import runtime_source_hash, versions
 from ttftc.codegen.cpu._allocator import keep_freed_pages
@@ -171,7 +173,7 @@ def read_manifest(directory: Path | str) -> dict:
             f"{directory} is not a directory; build an artifact with `ttftc compile MODEL -o {directory}`")
     path = directory / MANIFEST
     try:
-        manifest = json.loads(read_regular(path))
+        manifest = json.loads(read_regular(path, limit=MAX_MANIFEST_BYTES))
         if not isinstance(manifest, dict):
             raise ValueError("not a JSON object")
     except FileNotFoundError:
@@ -221,17 +223,42 @@ def _artifact_file(directory: Path, rel: str, raw: dict) -> Path:
         raise ArtifactError(f"{directory / rel} is refused ({exc}): {_remedy(directory, raw)}") from None
 
 
-def verify_weights(directory: Path, manifest: Manifest, raw: dict) -> None:
-    """The weights file has its recorded sha256 (per chunk where recorded, hashed in parallel)."""
-    path = _artifact_file(directory, WEIGHTS, raw)
+def verify_weights(directory: Path, manifest: Manifest, raw: dict, data: torch.Tensor) -> None:
+    """`data`, the bytes read from the weights file, has the file's recorded sha256 (per chunk where recorded, hashed
+    in parallel)."""
+    path = directory / WEIGHTS
+    view = memoryview(data.numpy())
     chunks = manifest.chunks.get(WEIGHTS)
     if chunks is not None:
-        bad = first_bad_chunk(path, list(chunks.sha256), chunks.size)
+        bad = first_bad_chunk(view, list(chunks.sha256), chunks.size)
         if bad is not None:
             raise ArtifactError(f"{path} is corrupt (sha256 of bytes from {bad * chunks.size} on does not match the "
                                 f"manifest): {_remedy(directory, raw)}")
-    elif sha256_file(path) != manifest.files[WEIGHTS]:
+    elif hashlib.sha256(view).hexdigest() != manifest.files[WEIGHTS]:
         raise ArtifactError(f"{path} is corrupt (its sha256 does not match the manifest): {_remedy(directory, raw)}")
+
+
+def read_weights(directory: Path, manifest: Manifest, raw: dict, device: torch.device,
+                 verify: bool) -> dict[str, torch.Tensor]:
+    """The artifact's constants, read into process memory once and, with `verify`, checked on those same bytes.
+
+    The tensors view the bytes that were hashed, and never a map of the file: truncating or rewriting the file after
+    the load (a `cp` of another artifact over it) can neither kill the next forward with SIGBUS nor change the
+    weights it serves."""
+    path = _artifact_file(directory, WEIGHTS, raw)
+    chunks = manifest.chunks.get(WEIGHTS)
+    limit = chunks.size * len(chunks.sha256) if verify and chunks is not None else None  # refused before it is read
+    try:
+        data = read_file(path, limit=limit)
+    except (ValueError, RuntimeError) as exc:  # not a regular file, longer than recorded, shrank, no memory for it
+        raise ArtifactError(f"{path} cannot be read ({exc}): {_remedy(directory, raw)}") from None
+    if verify:
+        verify_weights(directory, manifest, raw, data)
+    try:
+        return tensors_in(data, device)
+    except (ValueError, RuntimeError) as exc:
+        raise ArtifactError(f"{path} cannot be read ({type(exc).__name__}: {exc}): "
+                            f"{_remedy(directory, raw)}") from None
 
 
 def read_graph(directory: Path, manifest: Manifest, raw: dict, signature: GraphSignature,
@@ -240,7 +267,10 @@ def read_graph(directory: Path, manifest: Manifest, raw: dict, signature: GraphS
     rel = graph_file(signature)
     path = _artifact_file(directory, rel, raw)
     remedy = _remedy(directory, raw)
-    data = read_regular(path)
+    try:
+        data = read_regular(path, limit=MAX_GRAPH_BYTES)
+    except UnsafePathError as exc:  # replaced since _artifact_file looked (a FIFO, a directory), or too large
+        raise ArtifactError(f"{path} is refused ({exc}): {remedy}") from None
     if hashlib.sha256(data).hexdigest() != manifest.files[rel]:
         raise ArtifactError(f"{path} is corrupt (its sha256 does not match the manifest): {remedy}")
     try:
@@ -315,14 +345,7 @@ def load_artifact(directory: Path | str, *, device: Optional[str] = None, verify
                             f"device ({exc}): {_remedy(directory, raw)}") from None
     check_manifest(directory, manifest, raw, target)
     try:
-        if verify:
-            verify_weights(directory, manifest, raw)
-        weights = _artifact_file(directory, WEIGHTS, raw)
-        try:
-            constants = map_safetensors(weights, target)
-        except (ValueError, RuntimeError) as exc:
-            raise ArtifactError(f"{weights} cannot be read ({type(exc).__name__}: {exc}): "
-                                f"{_remedy(directory, raw)}") from None
+        constants = read_weights(directory, manifest, raw, target, verify)
         specs = {s: read_graph(directory, manifest, raw, s, constants) for s in manifest.signatures}
     except OSError as exc:  # unreadable (permissions, I/O): the same remedy as a damaged file
         raise ArtifactError(f"{directory} cannot be read ({exc}): {_remedy(directory, raw)}") from None

@@ -23,6 +23,9 @@ ARTIFACT_FORMAT = 2  # 2: vocab_size recorded; the file set is exactly weights +
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 GRAPHS = "graphs"
+# The largest manifest read (checked before reading). It grows with the signatures and with one chunk digest per
+# 64 MiB of weights; a file far larger is not a manifest written here.
+MAX_MANIFEST_BYTES = 4 << 20
 
 
 def graph_file(signature: GraphSignature) -> str:

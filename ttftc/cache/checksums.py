@@ -41,14 +41,17 @@ def chunk_digests(path: Path, chunk: int = CHUNK_BYTES) -> list[str]:
     return [_hash_range(path, start, chunk) for start in range(0, size, chunk)]
 
 
-def first_bad_chunk(path: Path, digests: list[str], chunk: int, workers: Optional[int] = None) -> Optional[int]:
-    """Index of the first chunk whose sha256 differs (len(digests) if the file's length is wrong), else None."""
-    size = os.path.getsize(path)
+def first_bad_chunk(data: memoryview, digests: list[str], chunk: int, workers: Optional[int] = None) -> Optional[int]:
+    """Index of the first chunk of `data` whose sha256 differs (len(digests) if its length is wrong), else None.
+
+    It hashes bytes already in memory, not the file: the caller serves the bytes it checked, so a file rewritten
+    between the check and the load cannot slip through."""
+    size = len(data)
     if (size + chunk - 1) // chunk != len(digests):
         return len(digests)
     starts = list(range(0, size, chunk))
     with ThreadPoolExecutor(max_workers=workers or min(len(starts), os.cpu_count() or 1) or 1) as pool:
-        actual = list(pool.map(lambda s: _hash_range(path, s, chunk), starts))
+        actual = list(pool.map(lambda s: hashlib.sha256(data[s:s + chunk]).hexdigest(), starts))
     for index, (got, want) in enumerate(zip(actual, digests)):
         if got != want:
             return index

@@ -36,9 +36,13 @@ from ttftc.cache.graph_calls import TENSOR, GraphFormatError, Produces, Ref, che
 from ttftc.cache.graph_vocab import check_embedding_rows
 from ttftc.cache.schema import SchemaError, as_dict, as_int, as_list, as_str, field
 
-__all__ = ["FORMAT_VERSION", "GraphFormatError", "ProgramSpec", "decode_program", "encode_program", "graph_constants",
+__all__ = ["FORMAT_VERSION", "MAX_GRAPH_BYTES", "GraphFormatError", "ProgramSpec", "decode_program", "encode_program", "graph_constants",
            "parse_program"]
 FORMAT_VERSION = 1
+# The largest graph file (a compile-cache entry or an artifact's graph) ttftc reads, checked before reading: one
+# JSON node per op, and the constants are elsewhere, so even a large model's graph is a few MB; a file far larger is
+# not a graph written here, and reading it would cost its size in memory before the parser refused it.
+MAX_GRAPH_BYTES = 16 << 20
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Names FX's code generator does not rename away from: a node called `torch` shadows the module in the generated code.
 _RESERVED_NAMES = frozenset({"self", "torch"})

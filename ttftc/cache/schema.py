@@ -16,6 +16,9 @@ from ttftc.buckets.plan import BucketPlan
 
 T = TypeVar("T")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}\Z")
+# The largest bucketing plan file the compile cache reads (checked before reading): a bucket table, a reason and a
+# few notes; a file far larger is not a plan.
+MAX_PLAN_BYTES = 1 << 20
 
 
 class SchemaError(ValueError):

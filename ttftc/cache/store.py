@@ -13,7 +13,10 @@ lowering runs. Constants are content-addressed, so the buckets of one model shar
 Every file is written to a temporary name and renamed (atomic.py), so concurrent writers and readers are
 safe. A corrupted, partial or crafted entry is reported with one warning, deleted and rebuilt: the cache directory
 is untrusted input like any artifact. Keys must match their hex pattern before they become a path, paths stay
-inside the cache directory (confined.py), and graphs are decoded by allow-list (graph_format.py).
+inside the cache directory (confined.py), graphs are decoded by allow-list (graph_format.py), and every file is read
+with its kind's size limit. Something that is no regular file at an entry's path (a directory, a FIFO, a symlink)
+is a miss with a warning, never an exception out of `ttftc.compile`: a FIFO or a symlink is unlinked like a bad
+entry (the link, never its target); a directory is left where it is, and the rebuilt graph is not cached there.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -34,8 +38,8 @@ from ttftc.buckets.program import GraphProgram, GraphSignature
 from ttftc.buckets.plan import BucketPlan
 from ttftc.cache.atomic import atomic_path, write_json
 from ttftc.confined import UnsafePathError, confined_path, read_regular, regular_file
-from ttftc.cache.graph_format import GraphFormatError, decode_program, encode_program
-from ttftc.cache.schema import SHA256_HEX, as_str, field, plan_from_json
+from ttftc.cache.graph_format import MAX_GRAPH_BYTES, GraphFormatError, decode_program, encode_program
+from ttftc.cache.schema import MAX_PLAN_BYTES, SHA256_HEX, as_str, field, plan_from_json
 from ttftc.cache.keys import combine, device_description, model_fingerprint, tensor_hash
 from ttftc.source_hash import ttftc_source_hash, versions
 from ttftc.config import Config
@@ -45,6 +49,9 @@ CACHE_ENV = "TTFTC_COMPILE_CACHE"  # the compile cache directory itself, or "off
 ROOT_ENV = "TTFTC_CACHE_DIR"  # ttftc's cache root (shared with the autotune cache); compile/ below it
 _DISABLED = ("", "0", "off", "none", "false")
 _ENTRY_KEY = re.compile(r"[0-9a-f]{32}\Z")  # keys.combine
+# A blob holds one constant tensor; the largest is an embedding or LM head, and 16 GiB holds that of a model with a
+# 128k vocabulary and 16k hidden size in float32. A larger file is not a blob written here, and is refused unread.
+MAX_BLOB_BYTES = 16 << 30
 
 
 def default_cache_dir() -> Optional[Path]:
@@ -122,7 +129,7 @@ class CompileCache:
             self.misses += 1
             return None
         try:
-            data = json.loads(read_regular(path))
+            data = json.loads(read_regular(path, limit=MAX_GRAPH_BYTES))
             if as_str(field(data, "signature", ""), "signature") != signature.name:
                 raise GraphFormatError(f"the entry holds graph {data['signature']!r}, not {signature.name}")
             program = decode_program(field(data, "program", ""), lambda key: self._load_blob(key, device), device.type,
@@ -142,10 +149,9 @@ class CompileCache:
             if path is None:
                 return
             encoded = encode_program(program, self._store_blob, device.type)
+            write_json(path, {"program": encoded, "signature": program.signature.name})
         except Exception as exc:  # a graph that cannot be saved still runs; it is just not cached
             warnings.warn(f"ttftc compile cache: graph {program.signature.name} not cached: {exc}", stacklevel=3)
-            return
-        write_json(path, {"program": encoded, "signature": program.signature.name})
 
     # -- plans -------------------------------------------------------------------------------------------
     def load_plan(self, model, device: torch.device, buckets: tuple[int, ...]) -> Optional[BucketPlan]:
@@ -154,7 +160,7 @@ class CompileCache:
         if path is None or not os.path.lexists(path):
             return None
         try:
-            plan = plan_from_json(json.loads(read_regular(path)), "")
+            plan = plan_from_json(json.loads(read_regular(path, limit=MAX_PLAN_BYTES)), "")
             if plan.buckets != tuple(buckets):
                 raise ValueError(f"the stored plan is for buckets {list(plan.buckets)}, not {list(buckets)}")
         except Exception as exc:
@@ -164,8 +170,12 @@ class CompileCache:
 
     def store_plan(self, model, device: torch.device, buckets: tuple[int, ...], plan: BucketPlan) -> None:
         path = self._entry("plans", self.plan_key(model, buckets, device))
-        if path is not None:
+        if path is None:
+            return
+        try:
             write_json(path, plan.to_dict())
+        except OSError as exc:  # a directory at the path, a full disk: the plan still holds, it is just not cached
+            warnings.warn(f"ttftc compile cache: plan not cached at {path}: {exc}", stacklevel=3)
 
     # -- constants ---------------------------------------------------------------------------------------
     def _hash(self, t: torch.Tensor) -> str:
@@ -189,7 +199,9 @@ class CompileCache:
             return cached
         path = self._path("blobs", key, ".safetensors", SHA256_HEX)  # before the key touches the filesystem
         try:
-            tensor = safetensors.torch.load_file(str(regular_file(path)), device=str(device))["t"]
+            # Read into memory, never mapped: a map ties the graph to the file, so truncating the blob would kill the
+            # next forward (SIGBUS) and rewriting it in place would change a constant after its hash was checked.
+            tensor = safetensors.torch.load(read_regular(regular_file(path), limit=MAX_BLOB_BYTES))["t"].to(device)
             if tensor_hash(tensor) != key:
                 raise ValueError(f"constant {path.name} does not match its checksum")
         except Exception:
@@ -199,10 +211,16 @@ class CompileCache:
         return tensor
 
     def _discard(self, path: Path, exc: Exception) -> None:
+        """Warn about a bad entry and delete it when it is a file (a symlink is unlinked, never followed); a
+        directory or another special file is left alone: the rebuilt entry is then not cached either."""
         self.corrupt += 1
-        warnings.warn(
-            f"ttftc compile cache: ignoring corrupted entry {path} ({type(exc).__name__}: {exc}); rebuilding it",
-            stacklevel=4,
-        )
-        path.unlink(missing_ok=True)
+        try:
+            removable = not stat.S_ISDIR(os.lstat(path).st_mode)
+            if removable:
+                path.unlink()
+        except OSError:  # gone already, or not ours to delete
+            removable = False
+        action = "rebuilding it" if removable else "rebuilding the graph without caching it; remove it"
+        shown = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"ttftc compile cache: ignoring corrupted entry {path} ({shown[:300]}); {action}", stacklevel=4)
 

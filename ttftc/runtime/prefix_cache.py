@@ -56,7 +56,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ttftc.runtime.kv_disk import KVDiskTier, child_digest, root_digest
+from ttftc.runtime.kv_disk import BlockAddress, KVDiskTier, child_address, root_address
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -128,10 +128,10 @@ class PrefixCacheStats:
 
 
 class _Node:
-    __slots__ = ("key", "payload", "nbytes", "parent", "children", "refs", "last_access", "pins", "digest")
+    __slots__ = ("key", "payload", "nbytes", "parent", "children", "refs", "last_access", "pins", "address")
 
     def __init__(self, key: tuple[int, ...], payload: Optional[BlockPayload], nbytes: int,
-                 parent: Optional["_Node"], digest: Optional[bytes] = None):
+                 parent: Optional["_Node"], address: Optional[BlockAddress] = None):
         self.key = key
         self.payload = payload
         self.nbytes = nbytes
@@ -140,7 +140,7 @@ class _Node:
         self.refs = 0
         self.last_access = 0
         self.pins = 0
-        self.digest = digest  # its address in the disk tier; None without one
+        self.address = address  # its address in the disk tier; None without one
 
 
 class CacheLease:
@@ -388,7 +388,7 @@ class PrefixCache:
                     # take other tenants' or other prompts' unreferenced leaves.
                     if not self._make_room(nbytes):
                         break
-                    child = _Node(key, payload, nbytes, node, self._digest_below(node, key))
+                    child = _Node(key, payload, nbytes, node, self._address_below(node, key))
                     node.children[key] = child
                     self._blocks_held += 1
                     self._bytes_held += nbytes
@@ -499,21 +499,21 @@ class PrefixCache:
     # ---- the disk tier ------------------------------------------------------------------------------------------
 
     def _new_root(self, namespace: Optional[str]) -> _Node:
-        digest = None
+        address = None
         if self.disk is not None:
             label = "default" if namespace is None else f"tenant:{namespace}"
-            digest = root_digest(self.disk.model_key, label)
-        return _Node((), None, 0, None, digest)
+            address = root_address(self.disk.model_key, label)
+        return _Node((), None, 0, None, address)
 
-    def _digest_below(self, parent: _Node, key: tuple[int, ...]) -> Optional[bytes]:
-        return None if parent.digest is None else child_digest(parent.digest, key)
+    def _address_below(self, parent: _Node, key: tuple[int, ...]) -> Optional[BlockAddress]:
+        return None if parent.address is None else child_address(parent.address, key)
 
     def _spill(self, node: _Node) -> None:
         """Write an evicted block to the disk tier; a failing disk costs the block, never the eviction."""
-        if self.disk is None or node.digest is None or node.payload is None:
+        if self.disk is None or node.address is None or node.payload is None:
             return
         try:
-            if self.disk.store(node.digest, node.payload):
+            if self.disk.store(node.address, node.payload):
                 self._disk_stored += 1
         except OSError as exc:
             warnings.warn(f"ttftc prefix cache: could not write a block to the disk tier ({exc})", stacklevel=3)
@@ -524,9 +524,9 @@ class PrefixCache:
         recomputing; the loaded blocks come back acquired."""
         root = self._roots.get(namespace)
         parent = chain[-1] if chain else root if root is not None else self._new_root(namespace)
-        digests, digest = [], parent.digest
+        digests, digest = [], parent.address
         for key in keys[len(chain):]:
-            digest = child_digest(digest, key)
+            digest = child_address(digest, key)
             if not self.disk.contains(digest):
                 break
             digests.append(digest)
@@ -567,7 +567,7 @@ class PrefixCache:
             nodes = [node for root in self._roots.values() for node in _descendants(root)]
             for node in nodes:
                 self._spill(node)
-            return sum(1 for node in nodes if self.disk.contains(node.digest))
+            return sum(1 for node in nodes if self.disk.contains(node.address))
 
     def clear(self) -> int:
         """Evict every unreferenced block; referenced ones stay. Returns the bytes freed."""
