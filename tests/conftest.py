@@ -9,6 +9,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import uuid
 import warnings
 
 import torch
@@ -38,6 +39,14 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
+def _own_measured_choices(monkeypatch):
+    """Each test keeps the CPU choices it measures (codegen/cpu/measured.py) in a store of its own, under the
+    throw-away root: no test loads what another one injected, and subprocesses inherit the test's store. A
+    process measures each choice once all the same (the functools caches); tests of the store point it elsewhere."""
+    monkeypatch.setenv("TTFTC_MACHINE_CHOICES", os.path.join(_CACHE_ROOT, "machine", uuid.uuid4().hex, "choices.json"))
+
+
+@pytest.fixture(autouse=True)
 def _fresh_dynamo():
     # Every test compiles models of the same classes; without a reset, Dynamo's per-code-object recompile
     # limit would silently turn later compiles into eager runs.
@@ -52,14 +61,14 @@ def _set_int8_gemm_choice(choice) -> None:
     from ttftc.codegen.cpu import int8_linear
 
     int8_linear.int8_gemm_choice.cache_clear()
-    measure = int8_linear.measure
-    int8_linear.measure = lambda *args, **kwargs: choice
+    recorded = int8_linear._recorded_choice  # neither the machine's record nor a measurement: the pin itself
+    int8_linear._recorded_choice = lambda: choice
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the warning for an fp32 choice is the real measurement's to give
             int8_linear.int8_gemm_choice()
     finally:
-        int8_linear.measure = measure
+        int8_linear._recorded_choice = recorded
 
 
 @pytest.fixture

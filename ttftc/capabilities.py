@@ -5,7 +5,9 @@ developed: on a CPU without bf16 instructions oneDNN still runs bf16 GEMMs, emul
 while on one with them bf16 runs faster than fp32 (benchmarks/README.md, bf16, has the figures and their CPUs).
 
 Native bf16 is decided by measurement: a small GEMM is timed in both dtypes, and bf16 counts as native only when it
-is faster by NATIVE_SPEEDUP. The flags only skip the timing where they settle the answer negatively (no bf16
+is faster by NATIVE_SPEEDUP. The timings are kept per machine (codegen/cpu/measured.py), so that every process on a
+machine decides the same: native bf16 and bf16 attention join the precision pass's uuid, and through it the
+compile-cache key. The flags only skip the timing where they settle the answer negatively (no bf16
 instruction listed and no oneDNN bf16 path); listed bf16 instructions are not enough on their own, since a torch
 build or a hypervisor can leave them unused. $TTFTC_NATIVE_BF16 (0 or 1) overrides the answer.
 """
@@ -14,16 +16,15 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu import attention as cpu_attention
+from ttftc.codegen.cpu.measured import Provenance, checked_times, cpu_flags_and_name, recall
 
 # Overrides the probe's answer ("0" or "1"): for a machine the probe gets wrong, and for tests that must not
 # depend on the CPU they run on.
@@ -71,21 +72,7 @@ _WATCHED_FLAGS = ("avx512_bf16", "amx_bf16", "amx_int8", "amx_tile", "avx512_vnn
                   "bf16", "i8mm", "asimddp")
 
 
-def _cpu_flags_and_name() -> tuple[Optional[set[str]], str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None, platform.processor() or platform.machine()
-    flags: Optional[set[str]] = None
-    name = platform.machine()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("flags", "Features") and flags is None:
-            flags = set(value.split())
-        elif key in ("model name", "Model name") and name == platform.machine():
-            name = value.strip()
-    return flags, name
+_cpu_flags_and_name = cpu_flags_and_name  # the probe reads the flags through this name: tests mock a CPU with it
 
 
 def _gemm_seconds(dtype: torch.dtype, repeats: int = 5) -> float:
@@ -101,9 +88,23 @@ def _gemm_seconds(dtype: torch.dtype, repeats: int = 5) -> float:
 
 
 @functools.cache
+def bf16_gemm_measurement() -> tuple[dict[str, float], Provenance]:
+    """Seconds of a 512^3 GEMM in fp32 and in bf16 on this machine (kept per machine), and where they came from."""
+    return recall("bf16_gemm", lambda: {"fp32": _gemm_seconds(torch.float32), "bf16": _gemm_seconds(torch.bfloat16)},
+                  dict, _stored_gemm_seconds)
+
+
+def _stored_gemm_seconds(raw) -> dict[str, float]:
+    times = checked_times(raw, ("fp32", "bf16"))
+    if set(times) != {"fp32", "bf16"}:
+        raise ValueError("both dtypes must be timed")
+    return times
+
+
 def measured_bf16_speedup() -> float:
-    """fp32 GEMM time / bf16 GEMM time at 512^3 on this CPU (above 1: bf16 is faster), measured once."""
-    return _gemm_seconds(torch.float32) / _gemm_seconds(torch.bfloat16)
+    """fp32 GEMM time / bf16 GEMM time at 512^3 on this CPU (above 1: bf16 is faster), measured once per machine."""
+    seconds = bf16_gemm_measurement()[0]
+    return seconds["fp32"] / seconds["bf16"]
 
 
 @functools.cache
@@ -128,7 +129,8 @@ def _cpu() -> Capabilities:
         native = speedup >= NATIVE_SPEEDUP
         listed = flags is not None and bool({"avx512_bf16", "amx_bf16", "bf16"} & flags)
         evidence = (f"{'bf16 instructions in the CPU flags' if listed else 'flags inconclusive'}; measured bf16 GEMM "
-                    f"{speedup:.2f}x fp32 at {_PROBE_SIZE}^3 (native needs >= {NATIVE_SPEEDUP}x)")
+                    f"{speedup:.2f}x fp32 at {_PROBE_SIZE}^3 (native needs >= {NATIVE_SPEEDUP}x; "
+                    f"{bf16_gemm_measurement()[1].describe()})")
     int8_dot = bool(flags and {"avx512_vnni", "avx_vnni", "amx_int8", "i8mm", "asimddp"} & flags)
     amx = bool(flags and {"amx_tile", "amx_bf16", "amx_int8"} & flags)
     attention = measured_bf16_attention_speedup() if native and override is None else None

@@ -183,7 +183,9 @@ def test_the_default_kernel_is_the_fastest_for_the_querys_dtype_where_it_applies
 
 
 def test_kernel_seconds_times_each_kernel_that_can_run_the_dtype_in_that_dtype(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "_kernel_seconds", lambda kernel, dtype: (kernel, dtype))
+    # a time that says which kernel and dtype it timed: len(kernel) + 0.5 for bf16
+    monkeypatch.setattr(cpu_attention, "_kernel_seconds",
+                        lambda kernel, dtype: len(kernel) + {torch.bfloat16: 0.5}.get(dtype, 0.25))
     monkeypatch.setattr(cpu_attention, "kernels_for", lambda dtype: {torch.bfloat16: ("flash", "native")}.get(dtype, ()))
-    measure = cpu_attention.kernel_seconds.__wrapped__  # the uncached body: the cached one measures once per process
-    assert measure(torch.bfloat16) == {"flash": ("flash", torch.bfloat16), "native": ("native", torch.bfloat16)}
+    measure = cpu_attention.kernel_measurement.__wrapped__  # the uncached body (this test's own empty store)
+    assert measure(torch.bfloat16)[0] == {"flash": 5.5, "native": 6.5}

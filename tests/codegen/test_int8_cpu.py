@@ -18,10 +18,14 @@ CPU = LoweringContext(device_type="cpu", forced_provider=None)
 
 
 @pytest.fixture(autouse=True, params=["native", "aten"])
-def glue(request, monkeypatch):
-    """The glue on the native row kernels (the calls are recorded) and on ATen; None for ATen."""
+def glue(request, monkeypatch, pin_int8_gemm):
+    """The glue on the native row kernels (the calls are recorded) and on ATen; None for ATen. Switching the
+    native kernels off also takes the native GEMM away, so the measured choice is re-made without it (as on a
+    machine whose measurement never saw it); tests that pin their own GEMM pin it after this."""
     calls = switch_native(monkeypatch, request.param, [cpu, cpu_norm],
                           ("quantize_rows", "norm_quant", "dequant", "gated_quant"))
+    if request.param == "aten":
+        pin_int8_gemm(cpu.int8_gemm_choice().without(cpu._unavailable_gemms()))
     return calls if request.param == "native" else None
 
 
@@ -44,10 +48,16 @@ def test_int8_linear_matches_reference(tokens, out_dtype, each_int8_gemm):
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
 
 
+def exact_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm's contract computed exactly: these tests count its calls, and must not depend on whether this
+    CPU's _int_mm is exact (with oneDNN capped at AVX2 on a VNNI CPU it is not; the measured choice refuses it)."""
+    return torch.mm(a.long(), b.long()).int()
+
+
 def _counting_int_mm(monkeypatch) -> list:
     """The row count of every torch._int_mm call."""
-    rows, int_mm = [], torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: rows.append(a.shape[0]) or int_mm(a, b))
+    rows = []
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: rows.append(a.shape[0]) or exact_int_mm(a, b))
     return rows
 
 
@@ -309,11 +319,11 @@ def test_the_int8_ffn_runs_row_blocks_of_at_most_row_block_rows_once_each(monkey
     x = torch.randn(tokens, 64)
     w_gu, s_gu = _weights(2 * 96, 64, seed=3)
     w_d, s_d = _weights(64, 96, seed=4)
-    int_mm, rows = torch._int_mm, []
+    rows = []
 
     def counting_int_mm(a, b):
         rows.append(a.shape[0])
-        return int_mm(a, b)
+        return exact_int_mm(a, b)
 
     monkeypatch.setattr(torch, "_int_mm", counting_int_mm)
     actual = cpu.gated_ffn_int8_cpu(x, None, w_gu, s_gu, w_d, s_d, act="silu", out_dtype=torch.float32)

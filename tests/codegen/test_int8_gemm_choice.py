@@ -78,6 +78,44 @@ def test_describe_names_the_choice_every_time_and_every_refusal():
     assert math.isnan(choose({FP32: 1.0}, {}, (1, 1, 1)).int8_speedup)
 
 
+# -- a measured choice whose provider went away is never called ------------------------------------------------
+
+AVX2_MEASURED = ({FP32: 11.7, "int_mm": 420.0, "native_avx2": 7.2, "onednn_u8": 0.5}, {}, (256, 1024, 1024))
+
+
+def test_a_choice_without_its_provider_falls_to_the_next_measured_candidate():
+    choice = choose(*AVX2_MEASURED)
+    assert choice.gemm == "onednn_u8" and choice.without({}) is choice
+    fallen = choice.without({"onednn_u8": "no qlinear here"})
+    assert fallen.gemm == "native_avx2" and fallen.refused == {"onednn_u8": "no qlinear here"}
+    assert fallen.without({"native_avx2": "switched off"}).gemm == FP32  # int_mm measured slower than fp32
+    assert choice.without({FP32: "never unavailable"}) is choice
+    assert Int8GemmChoice("native_avx2", (1, 1, 1)).without({"native_avx2": "switched off"}).gemm == FP32
+
+
+def test_the_int8_lowerings_never_call_a_measured_gemm_whose_extension_is_switched_off(monkeypatch, pin_int8_gemm):
+    """The AVX2 Zen 3 failure (issue 40): the process measured native_avx2, then the native kernels went away."""
+    from tests.codegen.conftest import NativeOff
+
+    pin_int8_gemm(choose({FP32: 11.7, "int_mm": 420.0, "native_avx2": 7.2}, {"onednn_u8": SATURATED},
+                         (256, 1024, 1024)))
+    monkeypatch.setattr(cpu, "_native", NativeOff)
+    torch.manual_seed(0)
+    x = torch.randn(37, 64)
+    w, s = quantize_per_token(torch.randn(48, 64) * 0.1)
+    for tuned in (None, {"gemm": "native_avx2"}):
+        actual = cpu.int8_linear_cpu(x, None, w, s, out_dtype=torch.float32, tuning_config=tuned)
+        torch.testing.assert_close(actual, int8_linear.reference(x, None, w, s, out_dtype=torch.float32))
+    w_gu, s_gu = quantize_per_token(torch.randn(192, 64) * 0.1)
+    w_d, s_d = quantize_per_token(torch.randn(64, 96) * 0.1)
+    actual = cpu.gated_ffn_int8_cpu(x, None, w_gu, s_gu, w_d, s_d, act="silu", out_dtype=torch.float32)
+    expected = gated_ffn_int8.reference(x, None, w_gu, s_gu, w_d, s_d, act="silu", out_dtype=torch.float32)
+    torch.testing.assert_close(actual, expected, atol=2e-3 * expected.abs().max().item(), rtol=0)
+    assert cpu.default_gemm() == FP32
+    assert cpu._refused_gemm_constraint({"gemm": "native_avx2"}, None) == "switched off by the test"
+    assert space_for("int8_linear", "cpu", "cpu").default(None)["gemm"] == FP32
+
+
 # -- exactness, checked before anything is timed ---------------------------------------------------------------
 
 def test_a_saturating_gemm_is_refused_and_the_real_candidates_are_exact():
@@ -136,11 +174,11 @@ def test_an_inexact_fp32_fallback_is_an_error_not_a_choice():
 
 def test_choosing_fp32_warns_once_with_the_measurements(monkeypatch):
     slow_int8 = choose({FP32: 11.7, "int_mm": 420.0}, {"onednn_u8": SATURATED}, (256, 1024, 1024))
-    monkeypatch.setattr(cpu, "measure", lambda gemms, unavailable: slow_int8)
+    monkeypatch.setattr(cpu, "_recorded_choice", lambda: slow_int8)
     with pytest.warns(RuntimeWarning, match=r"no int8 GEMM beats fp32 here \(int8 GEMM: fp32 \(11.7 ms; int_mm "):
         assert cpu.int8_gemm_choice.__wrapped__() is slow_int8
     fast_int8 = choose({FP32: 6.9, "int_mm": 0.7}, {}, (256, 1024, 1024))
-    monkeypatch.setattr(cpu, "measure", lambda gemms, unavailable: fast_int8)
+    monkeypatch.setattr(cpu, "_recorded_choice", lambda: fast_int8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu.int8_gemm_choice.__wrapped__() is fast_int8
@@ -170,6 +208,17 @@ def test_the_int8_lowerings_never_call_int_mm_where_it_is_slower(int_mm_forbidde
     actual = cpu.gated_ffn_int8_cpu(x, None, w_gu, s_gu, w_d, s_d, act="silu", out_dtype=torch.float32)
     expected = gated_ffn_int8.reference(x, None, w_gu, s_gu, w_d, s_d, act="silu", out_dtype=torch.float32)
     torch.testing.assert_close(actual, expected, atol=2e-3 * expected.abs().max().item(), rtol=0)
+
+
+def test_a_weight_holding_minus_128_never_falls_back_to_int_mm_where_it_is_slower(int_mm_forbidden):
+    if cpu.native_int8_reason() is not None:
+        pytest.skip(cpu.native_int8_reason())
+    xq, w = full_range_operands(9, 40, 16, seed=6)
+    w[3, 7] = -128  # outside the quantiser's range: the native GEMM cannot pack it
+    ones = torch.ones(9), torch.ones(16)
+    with pytest.warns(RuntimeWarning, match="holds -128"):
+        out = cpu.native_int8_gemm(xq, ones[0], w, ones[1], None, torch.float32)
+    assert torch.equal(out, (xq.long() @ w.long().t()).float())
 
 
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])

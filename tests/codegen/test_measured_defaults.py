@@ -1,4 +1,5 @@
-"""The CPU defaults measured per process (float GEMM backend, attention kernel) reach `explain` and the bench header."""
+"""The CPU defaults measured per machine (float GEMM backend, attention kernel) reach `explain` and the bench header,
+with whether each was measured now or loaded, and when."""
 
 from __future__ import annotations
 
@@ -11,16 +12,22 @@ from ttftc.bench import runner
 from ttftc.codegen.cpu import attention
 from ttftc.codegen.cpu._blas import measured_gemm_backend
 from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
+from ttftc.codegen.cpu.measured import Provenance
 
 
-def test_the_attention_choice_names_the_fastest_kernel_and_every_time(monkeypatch):
-    monkeypatch.setattr(attention, "kernel_seconds",
-                        lambda dtype: {"flash": 0.0020, "gemm_blocks": 0.0031, "native": 0.0012})
+def test_the_attention_choice_names_the_fastest_kernel_every_time_and_where_they_came_from(monkeypatch):
+    loaded = Provenance(0.0, True, "/cache/machine/choices.json")
+    monkeypatch.setattr(attention, "kernel_measurement",
+                        lambda dtype: ({"flash": 0.0020, "gemm_blocks": 0.0031, "native": 0.0012}, loaded))
     assert attention.fastest_kernel(torch.float32) == "native"
     assert attention.describe_kernel_choice(torch.float32) == (
-        "fp32 attention: native (1.2 ms; flash 2.0 ms; gemm_blocks 3.1 ms at 8 heads x 512 tokens x 64, causal)")
-    monkeypatch.setattr(attention, "kernel_seconds", lambda dtype: {"flash": 0.0009, "gemm_blocks": 0.0031})
-    assert attention.describe_kernel_choice(torch.bfloat16).startswith("bf16 attention: flash (0.9 ms; gemm_blocks")
+        "fp32 attention: native (1.2 ms; flash 2.0 ms; gemm_blocks 3.1 ms at 8 heads x 512 tokens x 64, causal; "
+        "loaded from /cache/machine/choices.json, measured 1970-01-01 00:00 UTC)")
+    monkeypatch.setattr(attention, "kernel_measurement",
+                        lambda dtype: ({"flash": 0.0009, "gemm_blocks": 0.0031}, Provenance(0.0, False)))
+    assert attention.describe_kernel_choice(torch.bfloat16) == (
+        "bf16 attention: flash (0.9 ms; gemm_blocks 3.1 ms at 8 heads x 512 tokens x 64, causal; measured now, "
+        "1970-01-01 00:00 UTC)")
 
 
 @needs_transformers

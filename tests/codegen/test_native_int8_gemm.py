@@ -28,8 +28,9 @@ SHAPES = [(1, 1, 1), (1, 7, 3), (3, 4, 8), (5, 33, 9), (17, 130, 77), (64, 256, 
 
 
 def _exact(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The int32 product as torch._int_mm computes it (it takes any M, K, N on CPU)."""
-    return torch._int_mm(xq, w.t())
+    """The exact int32 product, in int64 (torch._int_mm is not exact everywhere: under oneDNN capped at AVX2 on a
+    VNNI CPU, the closest emulation of an AVX2 CPU, it saturates as the u8 GEMM does)."""
+    return (xq.long() @ w.long().t()).int()
 
 
 def _layouts(w: torch.Tensor):

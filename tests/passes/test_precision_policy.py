@@ -9,6 +9,7 @@ import ttftc
 from tests.helpers import needs_transformers
 from ttftc import capabilities, zoo
 from ttftc.capabilities import Capabilities
+from ttftc.codegen.cpu.measured import Provenance
 from ttftc.passes import precision as precision_pass
 
 pytestmark = needs_transformers
@@ -128,7 +129,8 @@ def fresh_probe(monkeypatch):
 def _cpu_with(monkeypatch, flags, onednn_bf16: bool, speedup: float = 1.0):
     monkeypatch.setattr(capabilities, "_cpu_flags_and_name", lambda: (flags, "mock CPU"))
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
-    monkeypatch.setattr(capabilities, "measured_bf16_speedup", lambda: speedup)
+    measured = ({"fp32": speedup, "bf16": 1.0}, Provenance(0.0, True, "/cache/choices.json"))
+    monkeypatch.setattr(capabilities, "bf16_gemm_measurement", lambda: measured)
     monkeypatch.setattr(capabilities, "measured_bf16_attention_speedup", lambda: 1.5)
     return capabilities.probe("cpu")
 
@@ -139,7 +141,8 @@ def test_bf16_flags_are_confirmed_by_timing(monkeypatch, fresh_probe, speedup, n
     caps = _cpu_with(monkeypatch, {"avx512f", "avx512_bf16", "avx512_vnni"}, True, speedup=speedup)
     assert caps.native_bf16 is native and caps.int8_dot and not caps.amx
     assert caps.bf16_evidence == (f"bf16 instructions in the CPU flags; measured bf16 GEMM {speedup:.2f}x fp32 at "
-                                  "512^3 (native needs >= 1.2x)")
+                                  "512^3 (native needs >= 1.2x; loaded from /cache/choices.json, measured "
+                                  "1970-01-01 00:00 UTC)")
 
 
 def test_no_flags_and_no_onednn_bf16_mean_emulated(monkeypatch, fresh_probe):

@@ -3,9 +3,13 @@
     ttftc autotune llama-135m --buckets 512,2048 --budget-s 300 --cache DIR
     ttftc autotune llama-135m --buckets 512,2048 --chunk-sizes 256,512,1024   # also chunked prefill's chunk size
     ttftc autotune --show [--cache DIR]
+    ttftc autotune --cpu                                       # measure this machine's CPU defaults again
 
 Later compiles read the cache automatically ($TTFTC_AUTOTUNE_CACHE, default ~/.cache/ttftc/autotune), and so does
-ttftc.runtime.PrefillEngine for its chunk size when it is given none.
+ttftc.runtime.PrefillEngine for its chunk size when it is given none. The CPU defaults (int8 GEMM, GEMM backends,
+attention kernels, native bf16) are measured once per machine and kept in $TTFTC_CACHE_DIR/machine/choices.json;
+--cpu measures them again and overwrites that record.
+
 """
 
 from __future__ import annotations
@@ -53,4 +57,7 @@ def add_parser(subparsers) -> None:
                    "sizes and the whole prompt, and cache the fastest")
     p.add_argument("--retune", action="store_true", help="measure again even where the cache has an entry")
     p.add_argument("--show", action="store_true", help="list the cache's contents and exit")
+    p.add_argument("--cpu", action="store_true",
+                   help="measure this machine's CPU defaults again (int8 GEMM, GEMM backends, attention kernels, "
+                   "native bf16), overwrite their stored record, print them; then tune MODEL if one is given")
     p.set_defaults(run_module="ttftc.commands.autotune_run")

@@ -7,6 +7,7 @@ from ttftc.bench.errors import BenchInputError
 from ttftc.bench.models import load_model, resolve_model
 from ttftc.commands import UsageError
 from ttftc.config import Config
+from ttftc.tuning.cpu_choices import remeasure
 from ttftc.tuning.api import check_ops, tune_model
 from ttftc.tuning.tuner import summary_table
 
@@ -27,6 +28,12 @@ def run(args) -> int:
     cache = AutotuneCache(args.cache)
     if args.show:
         return _show(cache)
+    if args.cpu:
+        path, lines = remeasure()
+        print("\n".join(lines))
+        print(f"stored: {path}")
+        if args.model is None:
+            return 0
     if args.model is None:
         raise UsageError("MODEL is required (a preset or a local model directory), unless --show is given")
     if not args.budget_s > 0:

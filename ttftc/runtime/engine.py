@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ttftc.buckets.table import bucket_for
+from ttftc.codegen.cpu._blas import ONEDNN_DTYPES, measured_decode_backend
 from ttftc.runtime.chunked import ChunkTable, FirstToken, PrefillJob
 from ttftc.runtime.kv import (RAGGED_ATTENTION, KVHandle, ModelGeometry, RaggedDecodeCache, RaggedDecodeUnsupported,
                               reserve, unwrap_model)
@@ -377,9 +378,9 @@ class PrefillEngine:
 
 
 class _OneDnnLinear(TorchFunctionMode):
-    """F.linear through oneDNN's matmul (what ttftc's compiled graphs use on CPU, codegen/cpu/_blas.py), for the
-    eager batched decode: with 2-16 rows MKL's sgemm takes a slow path on this project's AMD CPU. Thread-local, like
-    every TorchFunctionMode: other threads' calls are untouched."""
+    """F.linear through oneDNN's matmul, for the eager batched decode where oneDNN measured faster at a decode
+    shape on this machine (codegen/cpu/_blas.py, measured_decode_backend). Thread-local, like every
+    TorchFunctionMode: other threads' calls are untouched."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -396,9 +397,8 @@ class _OneDnnLinear(TorchFunctionMode):
 
 
 def _decode_gemms(dtype: torch.dtype, device: torch.device):
-    """The context the batched decode's GEMMs run in: oneDNN on a CPU build that has it for `dtype`."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    """The context the batched decode's GEMMs run in: oneDNN where it measured faster at a decode shape on this
+    machine for `dtype` (or $TTFTC_CPU_GEMM says so), else ATen's own."""
+    if device.type != "cpu" or dtype not in ONEDNN_DTYPES:
         return contextlib.nullcontext()
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return _OneDnnLinear()
-    return contextlib.nullcontext()
+    return _OneDnnLinear() if measured_decode_backend(dtype).backend == "onednn" else contextlib.nullcontext()

@@ -1,7 +1,7 @@
 """ttftc.attention on CPU: ttftc's own fp32 kernel, ATen's flash-attention kernel, or batched GEMMs per block.
 
-Three kernels, and which one runs is measured once per process and dtype (`fastest_kernel`) or set by
-`ttftc autotune` (the `kernel` knob):
+Three kernels, and which one runs is measured once per machine and dtype (`fastest_kernel`; kept by measured.py)
+or set by `ttftc autotune` (the `kernel` knob):
 - "native": ttftc's kernel (csrc/attention_kernel.h, built at install): FlashAttention-2's online softmax with the
   queries along the vector lanes, every mask the op has (causal at any q_offset, sliding window, per-sequence
   kv_len) in one pass, GQA by head mapping; fp32, and bf16 on CPUs with AVX512-BF16 dot products
@@ -33,6 +33,7 @@ import torch
 from ttftc.autotune.space import Problem, SearchSpace, register_space
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
+from ttftc.codegen.cpu.measured import Provenance, checked_times, prefer, recall
 from ttftc.codegen.registry import register_lowering
 from ttftc.ops.attention import attention_mask
 
@@ -54,6 +55,8 @@ DEFAULT_TUNING = {
     "native_block_k": 128,
 }
 KERNELS = ("flash", "gemm_blocks", "native")
+# The near-tie order (measured.prefer): ttftc's kernel covers every mask in one pass, then ATen's flash kernel.
+PREFERENCE = ("native", "flash", "gemm_blocks")
 # The knobs each kernel reads (the flash knobs steer its offset/window rewrites).
 _KNOBS = {"flash": ("window_block_rows", "small_mask_pairs"), "gemm_blocks": ("gemm_block_rows",),
           "native": ("native_block_k",)}
@@ -173,28 +176,46 @@ def _kernel_seconds(kernel: str, dtype: torch.dtype, repeats: int = 3) -> float:
     return best
 
 
+def _stored_seconds(raw, dtype: torch.dtype) -> dict[str, float]:
+    """Stored kernel times; ValueError unless they are exactly the kernels that run this dtype here now (a
+    record naming the native kernel where it is not built, or lacking it where it is, is measured again)."""
+    times = checked_times(raw, KERNELS)
+    if set(times) != set(kernels_for(dtype)):
+        raise ValueError(f"kernels {sorted(times)} are not the ones that run {dtype} here: {list(kernels_for(dtype))}")
+    return times
+
+
 @functools.cache
-def kernel_seconds(dtype: torch.dtype) -> dict[str, float]:
+def kernel_measurement(dtype: torch.dtype) -> tuple[dict[str, float], Provenance]:
     """Seconds of each kernel at a prefill-sized causal problem (8 heads x 512 tokens x 64) on this CPU, measured
-    once per process and dtype: which is fastest depends on the CPU (its vector width, native bf16 or not)."""
-    return {kernel: _kernel_seconds(kernel, dtype) for kernel in kernels_for(dtype)}
+    once per machine and dtype (kept by measured.py): which is fastest depends on the CPU (its vector width,
+    native bf16 or not). With where the times came from."""
+    return recall(f"attention:{str(dtype).removeprefix('torch.')}",
+                  lambda: {kernel: _kernel_seconds(kernel, dtype) for kernel in kernels_for(dtype)}, dict,
+                  lambda raw: _stored_seconds(raw, dtype))
+
+
+def kernel_seconds(dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of each kernel that runs `dtype` here (kernel_measurement)."""
+    return kernel_measurement(dtype)[0]
 
 
 def fastest_kernel(dtype: torch.dtype) -> str:
-    """The kernel to use when no tuned config names one: the fastest one measured for the dtype."""
-    times = kernel_seconds(dtype)
-    return min(times, key=times.get)
+    """The kernel to use when no tuned config names one: the fastest one measured for the dtype (a near-tie goes
+    to PREFERENCE)."""
+    return prefer(kernel_seconds(dtype), PREFERENCE)
 
 
 def describe_kernel_choice(dtype: torch.dtype) -> str:
-    """e.g. "fp32 attention: native (A ms; flash B ms; gemm_blocks C ms at 8 heads x 512 tokens x 64, causal)"."""
-    times = kernel_seconds(dtype)
+    """e.g. "fp32 attention: native (A ms; flash B ms; gemm_blocks C ms at 8 heads x 512 tokens x 64, causal;
+    measured now, ...)"."""
+    times, provenance = kernel_measurement(dtype)
     chosen = fastest_kernel(dtype)
     others = "".join(f"; {kernel} {seconds * 1e3:.1f} ms" for kernel, seconds in sorted(times.items())
                      if kernel != chosen)
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     return (f"{name} attention: {chosen} ({times[chosen] * 1e3:.1f} ms{others} at 8 heads x 512 tokens x 64, "
-            "causal)")
+            f"causal; {provenance.describe()})")
 
 
 def _native_attention(q, k, v, kv_len, *, causal: bool, scale: float, q_offset: int, window: int,

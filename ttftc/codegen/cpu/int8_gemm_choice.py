@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional
 
 import torch
 
+from ttftc.codegen.cpu.measured import Provenance, checked_times, prefer
+
 Gemm = Callable[..., torch.Tensor]
 FP32 = "fp32"
+# The near-tie order among exact int8 GEMMs (measured.prefer): ATen's own GEMM first, then oneDNN's, then ttftc's:
+# at the same speed, the GEMM with no packed copy of the weights to hold wins.
+PREFERENCE = ("int_mm", "onednn_u8", "native_avx2")
 # The timed shape: a 256-token prompt through a 1024-wide projection (llama-135m's hidden size). Big enough that
 # the GEMM, not the call overhead, is what is timed; small enough that the slowest candidate costs well under 1 s.
 TIMED_SHAPE = (256, 1024, 1024)
@@ -41,6 +46,7 @@ class Int8GemmChoice:
     shape: tuple[int, int, int]  # (M, K, N) timed
     ms: Mapping[str, float] = field(default_factory=dict)  # measured candidates, FP32 included
     refused: Mapping[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
+    provenance: Optional[Provenance] = field(default=None, compare=False)  # measured now or loaded, and when
 
     @property
     def int8_speedup(self) -> float:
@@ -56,21 +62,37 @@ class Int8GemmChoice:
         ms, fp32 = self.ms.get(name), self.ms.get(FP32)
         return ms is None or fp32 is None or ms < fp32 or name == FP32
 
+    def without(self, unavailable: Mapping[str, str]) -> "Int8GemmChoice":
+        """The choice among the same measurements once `unavailable` (candidate -> why) cannot run: a provider the
+        measurement saw may be gone later in the process (its extension switched off), and a choice that names it
+        must fall to the next measured candidate, never be called."""
+        gone = {name: why for name, why in unavailable.items() if name != FP32 and name not in self.refused}
+        if not gone:
+            return self
+        refused = {**self.refused, **gone}
+        fallen = choose({name: ms for name, ms in self.ms.items() if name not in refused}, refused, self.shape)
+        return replace(fallen, provenance=self.provenance)
+
     def describe(self) -> str:
-        """e.g. "int8 GEMM: onednn_u8 (A ms; int_mm B ms, fp32 C ms at 256x1024x1024)", with this process's times."""
+        """e.g. "int8 GEMM: onednn_u8 (A ms; int_mm B ms, fp32 C ms at 256x1024x1024; measured now, ...)", with the
+        machine's times and whether this process measured them or loaded them."""
         m, k, n = self.shape
         others = [f"{name} {ms:.1f} ms" for name, ms in sorted(self.ms.items()) if name != self.gemm]
         others += [f"{name} refused: {why}" for name, why in sorted(self.refused.items())]
         chosen = self.ms.get(self.gemm)
         mine = "" if chosen is None else f"{chosen:.1f} ms"
-        return f"int8 GEMM: {self.gemm} ({'; '.join([mine] + others if mine else others)} at {m}x{k}x{n})"
+        when = "" if self.provenance is None else f"; {self.provenance.describe()}"
+        return f"int8 GEMM: {self.gemm} ({'; '.join([mine] + others if mine else others)} at {m}x{k}x{n}{when})"
 
 
 def choose(ms: Mapping[str, float], refused: Mapping[str, str], shape: tuple[int, int, int]) -> Int8GemmChoice:
-    """The policy: the fastest timed int8 candidate if it beats FP32, else FP32 (which is always timed)."""
+    """The policy: the fastest timed int8 candidate (a near-tie goes to PREFERENCE) if it beats FP32 by more than
+    a near-tie, else FP32 (which `measure` always times): an int8 GEMM that only ties fp32 loses, the quantisation
+    around it would make it a loss."""
     int8 = {name: t for name, t in ms.items() if name != FP32 and name not in refused}
-    best = min(int8, key=int8.get) if int8 else None
-    gemm = best if best is not None and int8[best] < ms[FP32] else FP32
+    best = prefer(int8, PREFERENCE) if int8 else None
+    fp32 = ms.get(FP32, math.inf)
+    gemm = best if best is not None and prefer({FP32: fp32, best: int8[best]}, (FP32,)) == best else FP32
     return Int8GemmChoice(gemm, shape, dict(ms), dict(refused))
 
 
@@ -146,3 +168,35 @@ def measure(candidates: Mapping[str, Gemm], unavailable: Mapping[str, str],
         if name not in refused and name != FP32:
             ms[name] = time_ms(gemm, shape, give_up_after_ms=_HOPELESS * ms[FP32])
     return choose(ms, refused, shape)
+
+
+def encode(choice: Int8GemmChoice) -> dict:
+    """The JSON a machine's record keeps: the measurements, from which `decode` re-derives the choice."""
+    return {"shape": list(choice.shape), "ms": dict(choice.ms), "refused": dict(choice.refused)}
+
+
+def decode(raw, candidates: Mapping[str, Gemm], unavailable: Mapping[str, str]) -> Int8GemmChoice:
+    """A stored choice, re-derived by `choose` from its measurements; raises ValueError where the record is not
+    one, names a candidate that cannot run here now, or where a candidate it did not refuse is not exact here
+    (a forged record must not make an inexact GEMM run: the check costs two small GEMMs per candidate)."""
+    if not isinstance(raw, dict):
+        raise ValueError("an int8 GEMM record must be a JSON object")
+    shape = raw.get("shape")
+    if (not isinstance(shape, list) or len(shape) != 3
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= 1 << 20 for d in shape)):
+        raise ValueError(f"shape {str(shape)[:80]} is not three positive ints")
+    ms = checked_times(raw.get("ms"), tuple(candidates))
+    refused = raw.get("refused")
+    if not isinstance(refused, dict) or not all(name in candidates and isinstance(why, str)
+                                                for name, why in refused.items()):
+        raise ValueError("refused must map candidates to reasons")
+    if FP32 not in ms or FP32 in refused or set(ms) & set(refused):
+        raise ValueError("fp32 must be timed, and no candidate both timed and refused")
+    for name in ms:
+        if name in unavailable:
+            raise ValueError(f"{name} was measured but cannot run here now: {unavailable[name]}")
+    for name in ms:
+        reason = exactness_reason(candidates[name])
+        if reason is not None:
+            raise ValueError(f"{name} is not exact here: {reason}")
+    return choose(ms, {**refused, **{n: why for n, why in unavailable.items() if n not in ms}}, tuple(shape))

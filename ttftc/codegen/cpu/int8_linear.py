@@ -17,7 +17,8 @@ int8_linear has two more GEMMs, and which one runs is measured on the machine at
 - `gemm="native_avx2"`: ttftc's own exact s8·s8 GEMM (csrc/int8_gemm_kernel.h) on a weight packed once into its
   layout, with the dequantisation fused into its stores. Fast on AVX2 without VNNI, where `_int_mm` is a plain loop
   and the u8 GEMM saturates: |x| · (w with x's sign) never saturates vpmaddubsw's 16-bit pair sums. It needs weights
-  in [-127, 127] (ttftc's quantiser's range); a weight holding -128 runs through `_int_mm` instead, exact but slow.
+  in [-127, 127] (ttftc's quantiser's range); a weight holding -128 runs through `_int_mm` instead where the
+  measurement found it exact and faster than fp32, else through the fp32 GEMM.
   Where the CPU has AVX512-VNNI the same kernel multiplies with vpdpbusd (_native.int8_gemm_isa() says which).
 - `gemm="fp32"`: one fp32 GEMM over the integer-valued operands (the weight converted once per process), the
   W8A8 numbers at fp32 speed: what runs where no int8 GEMM beats fp32 (ATen's `_int_mm` without VNNI is a plain
@@ -29,6 +30,7 @@ are made when the lowering first runs in a process (PACKED, FLOAT_WEIGHTS), neve
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -39,7 +41,9 @@ import torch
 from ttftc.autotune.space import SearchSpace, register_space
 from ttftc.codegen.cpu import _native
 from ttftc.codegen.cpu._threads import honours_num_threads, with_thread_axis
+from ttftc.codegen.cpu import int8_gemm_choice as policy
 from ttftc.codegen.cpu.int8_gemm_choice import FP32, Int8GemmChoice, measure
+from ttftc.codegen.cpu.measured import recall
 from ttftc.codegen.cpu.ffn import activation_
 from ttftc.codegen.cpu.norm import (native_norm_fits, native_norm_rows, native_residual_out, norm_reason,
                                     normalize_cpu, residual_add)
@@ -205,7 +209,7 @@ def _native_pack(w_int8: torch.Tensor, rows_hint: int) -> torch.Tensor | None:
     """The native GEMM's packed weight, or None for a weight holding -128 (which the sign trick cannot negate)."""
     if w_int8.numel() and int(w_int8.min()) == -128:
         warnings.warn(f"ttftc: an int8 weight {tuple(w_int8.shape)} holds -128, outside the quantiser's [-127, 127]; "
-                      "the native_avx2 GEMM runs it through torch._int_mm instead (exact, slower)", RuntimeWarning,
+                      "the native_avx2 GEMM runs it through another exact GEMM instead (slower)", RuntimeWarning,
                       stacklevel=2)
         return None
     return _native.pack_int8_weight(w_int8)
@@ -220,7 +224,9 @@ def native_int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tens
     stores (fp16 is made from its fp32 output)."""
     packed = NATIVE_PACKED.get(w_int8, xq.shape[0])
     if packed is None:
-        return int8_gemm(xq, x_scale, w_int8, w_scale, bias, out_dtype)
+        # _int_mm only where it measured exact and faster than fp32: elsewhere it is a plain loop or saturates
+        usable = int8_gemm_choice().usable("int_mm") and _gemm_reason("int_mm") is None
+        return (int8_gemm if usable else fp32_gemm)(xq, x_scale, w_int8, w_scale, bias, out_dtype)
     kernel_dtype = out_dtype if out_dtype in _NATIVE_OUT else torch.float32
     out = _native.int8_gemm(xq.contiguous(), packed, w_int8.shape[0], x_scale, w_scale, bias, kernel_dtype)
     return out if out_dtype == kernel_dtype else out.to(out_dtype)
@@ -229,21 +235,34 @@ def native_int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tens
 GEMMS = {"int_mm": int8_gemm, "onednn_u8": onednn_u8_gemm, NATIVE: native_int8_gemm, FP32: fp32_gemm}
 
 
+def _gemm_reason(name: str) -> str | None:
+    """None when candidate `name` can run in this process now, else why not."""
+    if name == "int_mm":
+        return None if hasattr(torch, "_int_mm") else "this torch has no torch._int_mm"
+    if name == "onednn_u8":
+        return onednn_u8_reason()
+    if name == NATIVE:
+        return native_int8_reason()
+    return None
+
+
 def _unavailable_gemms() -> dict[str, str]:
-    unavailable = {}
-    if not hasattr(torch, "_int_mm"):
-        unavailable["int_mm"] = "this torch has no torch._int_mm"
-    if onednn_u8_reason() is not None:
-        unavailable["onednn_u8"] = onednn_u8_reason()
-    if native_int8_reason() is not None:
-        unavailable[NATIVE] = native_int8_reason()
-    return unavailable
+    return {name: reason for name in GEMMS if (reason := _gemm_reason(name)) is not None}
+
+
+def _recorded_choice() -> Int8GemmChoice:
+    """This machine's int8 GEMM: from its record of measured choices (measured.py), else measured now and kept."""
+    unavailable = _unavailable_gemms()
+    choice, provenance = recall("int8_gemm", lambda: measure(GEMMS, unavailable), policy.encode,
+                                lambda raw: policy.decode(raw, GEMMS, unavailable))
+    return dataclasses.replace(choice, provenance=provenance)
 
 
 @functools.cache
 def int8_gemm_choice() -> Int8GemmChoice:
-    """This process's measured int8 GEMM (int8_gemm_choice.py); warns once where none beats fp32."""
-    choice = measure(GEMMS, _unavailable_gemms())
+    """This machine's measured int8 GEMM (int8_gemm_choice.py; kept per machine by measured.py); warns once where
+    none beats fp32."""
+    choice = _recorded_choice()
     if choice.gemm == FP32:
         warnings.warn(f"ttftc: precision='int8' on this CPU: no int8 GEMM beats fp32 here ({choice.describe()}), so "
                       "the int8 linears run as fp32 GEMMs over the int8 weights: the W8A8 numbers at fp32 speed. "
@@ -251,11 +270,18 @@ def int8_gemm_choice() -> Int8GemmChoice:
     return choice
 
 
-def _gemm_for(tuning_config) -> Callable[..., torch.Tensor]:
-    """The tuned GEMM where it is usable here (exact, not slower than fp32), else the measured default."""
+def default_gemm() -> str:
+    """The measured int8 GEMM, if it can still run: a provider can go away after the measurement (the native
+    extension switched off), and then the next measured candidate runs instead of a call that would fail."""
     choice = int8_gemm_choice()
+    return choice.gemm if _gemm_reason(choice.gemm) is None else choice.without(_unavailable_gemms()).gemm
+
+
+def _gemm_for(tuning_config) -> Callable[..., torch.Tensor]:
+    """The tuned GEMM where it is usable here (exact, not slower than fp32, runnable now), else the default."""
     tuned = (tuning_config or {}).get("gemm")
-    return GEMMS[tuned if tuned in GEMMS and choice.usable(tuned) else choice.gemm]
+    usable = tuned in GEMMS and int8_gemm_choice().usable(tuned) and _gemm_reason(tuned) is None
+    return GEMMS[tuned if usable else default_gemm()]
 
 
 # -- int8_linear -------------------------------------------------------------------------------------------
@@ -273,11 +299,11 @@ def int8_linear_cpu(x, x_scale, w_int8, w_scale, bias=None, *, out_dtype, tuning
 
 
 def _refused_gemm_constraint(config: dict, problem) -> str | None:
-    return int8_gemm_choice().refused.get(config["gemm"])
+    return int8_gemm_choice().refused.get(config["gemm"]) or _gemm_reason(config["gemm"])
 
 
 register_space(with_thread_axis(SearchSpace("int8_linear", "cpu", axes={"gemm": INT8_GEMMS},
-                                            default=lambda problem: {"gemm": int8_gemm_choice().gemm},
+                                            default=lambda problem: {"gemm": default_gemm()},
                                             constraints=(_refused_gemm_constraint,))))
 
 
@@ -330,7 +356,7 @@ def gated_ffn_int8_cpu(x, x_scale, w_gate_up, gate_up_scale, w_down, down_scale,
                        act, out_dtype):
     xq, xs = _as_rows(x, x_scale)
     inter = w_gate_up.shape[0] // 2
-    gemm = GEMMS[int8_gemm_choice().gemm]
+    gemm = GEMMS[default_gemm()]
     out = torch.empty(xq.shape[0], w_down.shape[0], dtype=out_dtype, device=x.device)
     # One row block runs the whole FFN (gate|up GEMM, act·mul, quantise, down GEMM): long prompts never hold
     # more than ROW_BLOCK rows of the [tokens, 2I] intermediates.
