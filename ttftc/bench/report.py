@@ -52,6 +52,7 @@ def markdown(doc: dict) -> str:
         f"warm-up runs, variants interleaved; first call: {settings['first_call']}",
         f"- GEMM peak measured in this run: {peaks}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items() if v),
+        *(f"- {name}: {note}" for name, note in (doc.get("variant_notes") or {}).items()),
         "",
         "| variant | seq | TTFT p50 ms | p95 ms | p99 ms | first call s | unseen-length call s | bound ms | efficiency "
         "| status |",
@@ -172,6 +173,7 @@ def summary_lines(doc: dict) -> list[str]:
     out = [f"{doc['device_name']}: {doc['capabilities']}"] if doc.get("capabilities") else []
     if doc.get("malloc"):
         out.append(doc["malloc"])
+    out += [f"{name}: {note}" for name, note in (doc.get("variant_notes") or {}).items()]
     out.append(f"{'variant':<44}{'seq':>6}{'p50 ms':>10}{'p95 ms':>10}{'first s':>9}{'unseen s':>10}{'bound ms':>10}"
                f"{'eff':>7}  status")
     for r in doc["results"]:

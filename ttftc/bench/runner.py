@@ -37,7 +37,7 @@ import ttftc
 from ttftc.autotune.cache import default_cache_dir
 from ttftc.capabilities import probe
 from ttftc.codegen.cpu._allocator import keep_freed_pages
-from ttftc.codegen.cpu._blas import measured_gemm_backend
+from ttftc.codegen.cpu._blas import measured_decode_backend, measured_gemm_backend
 from ttftc.codegen.cpu.attention import describe_kernel_choice
 from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
 
@@ -200,6 +200,7 @@ def run_bench(settings: BenchSettings) -> dict:
             for name, built in prepared.items():
                 with contextlib.suppress(Exception):
                     details[name] = built.details()
+            notes = {name: built.header_note for name, built in prepared.items() if built.header_note}
             del prepared
             gc.collect()
             peaks = meter.peaks()
@@ -210,7 +211,7 @@ def run_bench(settings: BenchSettings) -> dict:
             gc.collect()
     finally:
         progress.close()
-    return _document(p, peaks, shape, model_info, cells, details, time.perf_counter() - started, autotune_dir)
+    return _document(p, peaks, shape, model_info, cells, details, time.perf_counter() - started, autotune_dir, notes)
 
 
 def _build_all(p: _Plan, source: ModelSource, cells: dict, progress: Progress) -> dict[str, Prepared]:
@@ -223,6 +224,8 @@ def _build_all(p: _Plan, source: ModelSource, cells: dict, progress: Progress) -
             try:
                 prepared[variant.name] = variant.build(source)
                 status = "ok"
+                if prepared[variant.name].header_note:
+                    progress.note(f"{variant.name}: {prepared[variant.name].header_note}")
             except Exception as exc:
                 status = f"failed: {_reason(exc)}"
         if status != "ok":
@@ -349,11 +352,12 @@ def _model_info(spec: ModelSpec, model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _capabilities(device: str) -> str:
-    """The probe's answer, and on CPU the GEMMs and attention kernel measured and chosen here, with their times."""
+    """The probe's answer, and on CPU the GEMMs and attention kernel measured and chosen here, with their times and
+    whether each was measured now or loaded from the machine's record (and when it was measured)."""
     described = probe(torch.device(device).type).describe()
     if torch.device(device).type == "cpu":
         chosen = [int8_gemm_choice().describe(), measured_gemm_backend(torch.float32).describe(),
-                  describe_kernel_choice(torch.float32)]
+                  measured_decode_backend(torch.float32).describe(), describe_kernel_choice(torch.float32)]
         described += "".join(f"; {text}" for text in chosen)
     return described
 
@@ -378,7 +382,7 @@ def _published_device(device: str) -> Optional[DeviceSpec]:
 
 def _versions() -> dict[str, Optional[str]]:
     versions: dict[str, Optional[str]] = {"ttftc": ttftc.__version__, "torch": torch.__version__, "python": platform.python_version()}
-    for dist in ("transformers", "triton", "torchao"):
+    for dist in ("transformers", "triton", "torchao", "openvino", "nncf"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -387,7 +391,7 @@ def _versions() -> dict[str, Optional[str]]:
 
 
 def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, details, elapsed_s: float,
-              autotune_dir: Optional[str] = None) -> dict:
+              autotune_dir: Optional[str] = None, notes: Optional[dict[str, str]] = None) -> dict:
     s = p.settings
     gpu = _published_device(s.device)
     results = []
@@ -436,6 +440,7 @@ def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, de
         "malloc": keep_freed_pages() if s.device == "cpu" else None,
         "threads": torch.get_num_threads(),
         "versions": _versions(),
+        "variant_notes": notes or {},  # per variant, what a peer chose (Prepared.header_note)
         "model": model_info,
         "settings": {
             "seqs": list(s.seqs),

@@ -13,6 +13,10 @@
                    ttftc-int8
     llamacpp-f32   llama.cpp through llama-cpp-python on the model written as GGUF f32; likewise llamacpp-bf16,
                    llamacpp-q8_0 (ttftc.bench.llamacpp); asked for by name, skipped without the llamacpp extra
+    openvino-f32   OpenVINO's CPU plugin on the model exported with torch.export, f32 forced; likewise openvino-auto
+                   (its default precision), openvino-int8w (nncf int8 weights), openvino-int8 (nncf W8A8 static)
+                   (ttftc.bench.openvino); asked for by name, skipped without the openvino extra; each checked
+                   against eager's logits when built
 
 Any ttftc Config can also be named directly: `ttftc[passes=attention+ffn,precision=bf16]` (passes: `all`,
 `none`, or pass names joined by `+`). The ablation uses that form. `tuned=off` compiles with
@@ -42,7 +46,7 @@ from ttftc.capabilities import probe
 from ttftc.config import Config
 from ttftc.dynamo_backend import TtftcBackend
 
-from ttftc.bench import llamacpp
+from ttftc.bench import llamacpp, openvino
 from ttftc.bench.errors import BenchInputError
 from ttftc.bench.models import ModelSource, prefill
 
@@ -53,6 +57,8 @@ class Prepared:
 
     model: Callable[..., Any]
     details: Callable[[], dict] = field(default=lambda: {})
+    # A line for the bench's header: what a peer chose that its rows cannot say (its version, its precision).
+    header_note: Optional[str] = None
 
     def prefill(self, ids: torch.Tensor) -> Any:
         return prefill(self.model, ids)
@@ -165,6 +171,16 @@ def _llamacpp(file_type: str) -> Callable[[ModelSource], Prepared]:
     return build
 
 
+def _openvino(mode: str) -> Callable[[ModelSource], Prepared]:
+    def build(source: ModelSource) -> Prepared:
+        name = f"openvino-{mode}"
+        loaded = openvino.load(source.instance(), mode, torch.get_num_threads())
+        agreement = openvino.check_logits(name, loaded, source.instance())  # raises before the variant is timed
+        return Prepared(loaded, lambda: {**loaded.details(), "logits_check": agreement}, loaded.header())
+
+    return build
+
+
 def _auto_dtype() -> str:
     """Whose GEMM peak bounds precision "auto" here: what the policy picks on this machine."""
     return "bf16" if probe("cuda" if torch.cuda.is_available() else "cpu").native_bf16 else "fp32"
@@ -195,12 +211,21 @@ VARIANTS: dict[str, Variant] = {
         *(Variant(f"llamacpp-{file_type}", dtype, f"llama.cpp (llama-cpp-python), GGUF {file_type}, flash attention",
                   _llamacpp(file_type), skip_reason=llamacpp.missing_reason)
           for file_type, dtype in (("f32", "fp32"), ("bf16", "bf16"), ("q8_0", "int8"))),
+        Variant("openvino-f32", "fp32", "OpenVINO CPU (torch.export, ov.convert_model), f32 forced",
+                _openvino("f32"), skip_reason=openvino.missing_reason),
+        Variant("openvino-auto", _auto_dtype(), "OpenVINO CPU, its default precision (bf16 where native)",
+                _openvino("auto"), skip_reason=openvino.missing_reason),
+        Variant("openvino-int8w", _auto_dtype(), "OpenVINO CPU, nncf int8 weights, float activations",
+                _openvino("int8w"), skip_reason=lambda: openvino.missing_reason(quantized=True)),
+        Variant("openvino-int8", "int8", "OpenVINO CPU, nncf W8A8 static, calibrated on random-token prompts",
+                _openvino("int8"), skip_reason=lambda: openvino.missing_reason(quantized=True)),
     )
 }
 
 # inductor-attn exists for the attention comparison (issue 4) and stays out of the default run; the llama.cpp
-# peers need an optional extra and are asked for by name.
-DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name != "inductor-attn" and not name.startswith("llamacpp-"))
+# and OpenVINO peers need an optional extra and are asked for by name.
+DEFAULT_VARIANTS = tuple(name for name in VARIANTS
+                         if name != "inductor-attn" and not name.startswith(("llamacpp-", "openvino-")))
 # Peers of GPU runs (scripts/device_check.sh), asked for by name: max-autotune spends minutes tuning.
 GPU_PEERS = ("eager-sdpa-bf16", "inductor-max-autotune", "inductor-max-autotune-bf16")
 DEFAULT_VARIANTS = tuple(name for name in DEFAULT_VARIANTS if name not in GPU_PEERS)
