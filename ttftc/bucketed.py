@@ -166,6 +166,17 @@ class BucketedModel:
     def explain(self) -> str:
         return self.plan.describe()
 
+    @property
+    def graphs_compiled(self) -> int:
+        """Graphs this process traced and compiled for this model. Only a source that compiles counts them (an
+        artifact's graphs are all loaded), so a source without the count has compiled none."""
+        return getattr(self.source, "compiles", 0)
+
+    @property
+    def graphs_loaded(self) -> int:
+        """Graphs this process loaded from the compile cache instead of compiling them."""
+        return getattr(self.source, "cache_hits", 0)
+
     def warmup(self, buckets=None, *, batch_sizes=(1,), logits_to_keep=(0,), use_cache=(True,)) -> None:
         """Compile (or load) the graphs of the given buckets (all by default) now, not on first use."""
         if not self.plan.safe:

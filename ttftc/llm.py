@@ -50,6 +50,7 @@ from ttftc.runtime.kv_disk import model_key as kv_model_key
 from ttftc.runtime.prefix_cache import DEFAULT_BLOCK_SIZE, PRIVATE, PrefixCache, Tenant
 from ttftc.runtime.sampling import Sampling
 from ttftc.runtime.scheduler import Request, StepScheduler
+from ttftc.runtime.ttft_estimate import CostModel, ForwardPaths
 from ttftc.text import OutputText, PromptCodec, load_tokenizer
 from ttftc.text import Delta as Delta  # re-exported: what stream() yields
 
@@ -322,10 +323,13 @@ class LLM:
         self.notes: list[str] = []
         self.on_progress = on_progress
         self._compiler: Optional[background.BackgroundCompile] = None
+        self._kv_backend: Optional[TtftcBackend] = None  # the compiled KV path's backend: its reports count its graphs
+        self._warmed = False  # every graph compiled (or loaded) before the constructor returned
         in_background = bool(background_compile)
         compile_buckets = in_background and source.artifact is None  # an artifact's graphs load in no time
         prefill_model, batch_sizes = self._prefill_model(source, precision, buckets, prefill_batch_sizes,
                                                          check_plan=not compile_buckets)
+        self._prefill = prefill_model
         cache = self._prefix_cache(prompt_cache, prefix_cache_bytes, self._disk_tier(kv_disk, kv_disk_bytes, precision,
                                                                                      prompt_cache))
         kv_model = self._kv_model(precision) if compile_kv_path else self.model
@@ -338,7 +342,7 @@ class LLM:
                                     batched_decode=batched_decode)
         self.scheduler = StepScheduler(self.engine, max_batch_tokens, chunk_size=chunked_prefill,
                                        batch_window_s=batch_window_ms / 1000.0, max_running=max_running,
-                                       yield_chunk=yield_chunk)
+                                       yield_chunk=yield_chunk, cost_model=CostModel(paths=self._forward_paths()))
         if cache is not None and cache.disk is not None and cache.recompute_seconds is None:
             # A disk hit is loaded only where loading measures cheaper than the scheduler's fit of its forwards.
             cache.recompute_seconds = self.scheduler.cost_model.prefill_s
@@ -353,6 +357,7 @@ class LLM:
                 notes=self.notes)
         elif warmup:
             self._warm_up()
+            self._warmed = True
         self.loop = EngineLoop(self.scheduler).start()
         self._ids = itertools.count()
         if self._compiler is not None:
@@ -383,8 +388,28 @@ class LLM:
         return prefill, tuple(batch_sizes)
 
     def _kv_model(self, precision: str):
-        # Dynamic from the first call: prompt and KV lengths vary on every call of this path.
-        return torch.compile(self.model, backend=TtftcBackend(Config(precision=precision)), dynamic=True)
+        # Dynamic from the first call: prompt and KV lengths vary on every call of this path. Its graphs are traced
+        # by Dynamo in every process: the compile cache holds fixed-shape graphs only (compile_status counts them).
+        self._kv_backend = TtftcBackend(Config(precision=precision))
+        return torch.compile(self.model, backend=self._kv_backend, dynamic=True)
+
+    def _forward_paths(self) -> ForwardPaths:
+        """The paths the TTFT estimate fits apart (runtime/ttft_estimate.py, ForwardPaths): a bucket's graph or the
+        KV path (eager or compiled), each while the background compile shares the CPU, and once it is done."""
+
+        def state() -> str:
+            compiler = self._compiler
+            return "compiling" if compiler is not None and not compiler.done.is_set() else "warm"
+
+        def kv_path() -> tuple:
+            return "kv", "eager" if self.engine.model is self.model else "compiled", state()
+
+        def prefill(n: int, ctx: int) -> tuple:
+            if self.engine.bucket_for(_Stretch(cold=ctx == 0), n) is not None:
+                return "bucket", state()
+            return kv_path()
+
+        return ForwardPaths(prefill=prefill, decode=kv_path, volatile=lambda path: path[-1] == "compiling")
 
     def _disk_tier(self, directory, budget_bytes: int, precision: str, prompt_cache) -> Optional[KVDiskTier]:
         if directory is None:
@@ -412,10 +437,11 @@ class LLM:
         prefill = engine.prefill_model
         try:
             for bucket in prefill.buckets if prefill is not None else ():
-                started = time.perf_counter()
+                started, compiled_before = time.perf_counter(), prefill.graphs_compiled
                 for batch in engine.batch_sizes_for(bucket):
                     background.compile_graph(prefill, bucket, batch)
-                self._progress(f"bucket {bucket} compiled in {time.perf_counter() - started:.1f} s")
+                how = background.ready_how(prefill.graphs_compiled - compiled_before)
+                self._progress(f"bucket {bucket} {how} in {time.perf_counter() - started:.1f} s")
         except Exception as exc:  # serve on the KV path rather than not at all, and say so
             note = f"bucketed prefill disabled, every prompt runs on the KV path: {type(exc).__name__}: {exc}"
             self.notes.append(note)
@@ -433,17 +459,30 @@ class LLM:
 
     def compile_status(self) -> dict:
         """How far compiling got: buckets compiled, failed and still compiling, and the KV path's state ("eager":
-        not compiled by choice; "pending", "compiled" or "failed" in the background mode; "ready" otherwise)."""
+        not compiled by choice; "pending", "compiled" or "failed" in the background mode; "ready" otherwise).
+        `warm`: every graph serving will use is ready (with warmup=False, graphs compile on first use: never warm
+        unless there is nothing to compile). `graphs_compiled`, `graphs_loaded`: graphs this process compiled, and
+        loaded from the compile cache instead, since it started."""
+        counts = self._graph_counts()
         compiler = self._compiler
         if compiler is None:
             prefill = self.engine.prefill_model
             count = len(prefill.buckets) if prefill is not None else 0
             compiled_kv = self.engine.model is not self.model
+            nothing_to_compile = prefill is None and not compiled_kv
             return {"buckets_total": count, "buckets_compiled": count, "buckets_failed": 0, "buckets_compiling": 0,
-                    "kv_path": "ready" if compiled_kv else "eager", "background": False}
+                    "kv_path": "ready" if compiled_kv else "eager", "background": False,
+                    "warm": self._warmed or nothing_to_compile, **counts}
         return {"buckets_total": compiler.buckets_total, "buckets_compiled": compiler.buckets_compiled,
                 "buckets_failed": compiler.buckets_failed, "buckets_compiling": compiler.compiling,
-                "kv_path": compiler.kv_path, "background": True}
+                "kv_path": compiler.kv_path, "background": True, "warm": compiler.warm, **counts}
+
+    def _graph_counts(self) -> dict:
+        # The bucketed prefill model outlives its use by the engine (a failed plan drops it from the engine only).
+        prefill = self._prefill
+        kv_graphs = len(self._kv_backend.reports) if self._kv_backend is not None else 0
+        return {"graphs_compiled": (prefill.graphs_compiled if prefill is not None else 0) + kv_graphs,
+                "graphs_loaded": prefill.graphs_loaded if prefill is not None else 0}
 
     # ---- requests ----------------------------------------------------------------------------------------------------
 
@@ -587,6 +626,13 @@ def _config_eos(model: torch.nn.Module) -> Optional[int]:
         if isinstance(eos, (list, tuple)) and eos:
             return int(eos[0])
     return None
+
+
+@dataclass(frozen=True)
+class _Stretch:
+    """What PrefillEngine.bucket_for reads of a job: whether its KV is empty (no cached prefix, no earlier chunk)."""
+
+    cold: bool
 
 
 @dataclass

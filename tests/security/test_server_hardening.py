@@ -14,6 +14,7 @@ import queue
 import random
 import re
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -357,3 +358,175 @@ def test_serve_passes_no_report_cached_tokens_to_the_app(monkeypatch, flag, repo
     assert main(["serve", "tiny", "--tenant-header", "X-Tenant", *flag]) == 0
     assert [{key: app[key] for key in ("tenant_header", "report_cached_tokens")} for app in apps] == [
         {"tenant_header": "X-Tenant", "report_cached_tokens": reported}]
+
+
+# ---- issue 40: the HTTP boundary ---------------------------------------------------------------------------------
+# Bodies refused by size while they stream in, requests that never finish, echoed values, the drain's count, and
+# integer fields that take only integers.
+
+
+class BodyCounter:
+    """ASGI middleware: how many body bytes the app received (`read`) and the statuses it answered."""
+
+    read = 0
+    statuses: list = []
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def counted_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                BodyCounter.read += len(message.get("body", b""))
+            return message
+
+        async def noted_send(message):
+            if message["type"] == "http.response.start":
+                BodyCounter.statuses.append(message["status"])
+            await send(message)
+
+        await self.app(scope, counted_receive, noted_send)
+
+
+def raw_request(host: str, port: int, head: bytes, timeout_s: float = TIMEOUT_S) -> socket.socket:
+    connection = socket.create_connection((host, port), timeout=timeout_s)
+    connection.sendall(head)
+    return connection
+
+
+def read_to_close(connection: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (a reset counts as a close)."""
+    received = b""
+    try:
+        while chunk := connection.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    finally:
+        connection.close()
+    return received
+
+
+def test_a_chunked_upload_over_the_limit_gets_a_413_having_read_at_most_the_limit_and_a_chunk(llm):
+    from ttftc.serve.app import MAX_BODY_BYTES
+
+    app = create_app(llm)
+    app.add_middleware(BodyCounter)
+    BodyCounter.read, BodyCounter.statuses = 0, []
+    chunk = b"x" * (1 << 20)
+    with BackgroundServer(app) as server:
+        connection = raw_request(server.host, server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                 b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:  # four times the limit, with no Content-Length: only counting what arrives can refuse it
+            for _ in range(4 * MAX_BODY_BYTES // len(chunk)):
+                connection.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+            connection.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = read_to_close(connection)
+        assert BodyCounter.statuses == [413], (BodyCounter.statuses, answer[:200])
+        # uvicorn hands the app at most what one read returned beyond its 64 KiB buffer: far below a 1 MiB slack
+        assert MAX_BODY_BYTES < BodyCounter.read <= MAX_BODY_BYTES + (1 << 20), BodyCounter.read
+
+
+def test_a_content_length_over_the_limit_gets_a_413_before_any_of_the_body_is_sent(server):
+    connection = raw_request(server.host, server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 500000000\r\n\r\n")
+    try:
+        head = connection.recv(65536)  # the old server waited here for a body that never comes
+    finally:
+        connection.close()
+    assert head.startswith(b"HTTP/1.1 413 "), head[:200]
+
+
+def test_requests_that_never_finish_are_closed_at_the_request_timeout_and_finished_ones_are_not(llm):
+    from ttftc.serve.timeouts import HTTPTimeouts
+
+    unfinished = [b"",  # a connection opened and left silent
+                  b"POST /v1/compl",  # half a request line
+                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ",  # headers that never end
+                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\""]  # short body
+    with BackgroundServer(create_app(llm), timeouts=HTTPTimeouts(request_s=1.0, keep_alive_s=1.0)) as server:
+        connections = [raw_request(server.host, server.port, head, timeout_s=30) for head in unfinished]
+        # Closed without a response; the old server left each open for ever (here: its 30 s socket timeout raised).
+        assert [read_to_close(connection) for connection in connections] == [b""] * len(unfinished)
+        # A request that arrived whole is never timed out, however long its answer streams.
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=TIMEOUT_S)
+        chunks = client.completions.create(model="tiny", prompt=prompt(8), max_tokens=200, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        time.sleep(2.0)  # past the 1 s request timeout before the first chunk is read
+        received = list(chunks)
+        assert sum(len(c.choices[0].model_extra["token_ids"]) for c in received if c.choices) == 200
+
+
+def test_the_request_and_keep_alive_timeouts_are_options_of_ttftc_serve(monkeypatch):
+    import ttftc.llm
+    import ttftc.serve
+    from ttftc.cli import main
+    from ttftc.serve.timeouts import HTTPTimeouts
+
+    runs = []
+    monkeypatch.setattr(ttftc.llm, "LLM", lambda *args, **kwargs: SimpleNamespace(name="tiny", notes=[]))
+    monkeypatch.setattr(ttftc.serve, "create_app", lambda llm, **kwargs: "app")
+    monkeypatch.setattr(ttftc.serve, "run_server", lambda app, **kwargs: runs.append(kwargs) or 0)
+    assert main(["serve", "tiny", "--request-timeout", "2.5", "--keep-alive-timeout", "7"]) == 0
+    assert main(["serve", "tiny"]) == 0
+    assert [run["timeouts"] for run in runs] == [HTTPTimeouts(2.5, 7.0), HTTPTimeouts()]
+    with pytest.raises(ValueError, match="request_s must be a positive number"):
+        HTTPTimeouts(request_s=0)
+
+
+def test_a_megabyte_value_comes_back_shortened_in_its_error(server):
+    huge = "m" * (1 << 20)
+    bodies = [{"model": huge, "prompt": [1, 2]},  # quoted by the server itself
+              {"model": "tiny", "prompt": [1, 2], huge: 1},  # an unknown field: in the message and in `param`
+              {"model": "tiny", "prompt": [1, 2], "top_p": huge},  # quoted by GenerationParams (ttftc.llm)
+              {"model": "tiny", "prompt": [1, 2], "n": [huge]}]
+    for status, error in post_raw(server, [json.dumps(body).encode() for body in bodies]):
+        assert status == 400, error
+        assert len(error["message"]) < 2000, len(error["message"])  # the old server sent the megabyte back
+        assert re.search(r"… \(104\d{4} chars\)", error["message"]), error["message"][:300]
+        assert error["param"] is None or len(error["param"]) < 200
+
+
+@pytest.mark.parametrize("field, value", [("n", True), ("best_of", True), ("n", 1.0), ("max_tokens", True),
+                                          ("max_tokens", 4.0), ("priority", 1.0), ("priority", True),
+                                          ("top_k", False), ("seed", True), ("stop_token_ids", False),
+                                          ("stop_token_ids", [True]), ("echo", 0), ("presence_penalty", False),
+                                          ("logprobs", False)])
+def test_integer_and_boolean_fields_take_only_their_own_json_type(client, field, value):
+    error = bad_request(lambda: client.completions.create(model="tiny", prompt=[1, 2], extra_body={field: value}))
+    assert error["param"] == field, error
+
+
+@pytest.mark.parametrize("field, value", [("max_completion_tokens", True), ("top_logprobs", False), ("n", True)])
+def test_chat_integer_fields_take_only_integers(client, field, value):
+    error = bad_request(lambda: client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], extra_body={field: value}))
+    assert error["param"] == field, error
+
+
+def test_the_neutral_values_of_integer_and_boolean_fields_are_still_served(client):
+    out = client.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, n=1, echo=False, logprobs=0,
+                                    presence_penalty=0.0, frequency_penalty=0, extra_body={"top_k": 0,
+                                                                                           "priority": 3})
+    assert len(out.choices[0].model_extra["token_ids"]) >= 1
+
+
+def test_a_drain_that_cuts_a_stream_off_counts_it_and_the_client_reads_why(llm):
+    app = create_app(llm)
+    cut_server = BackgroundServer(app, drain_timeout_s=0.0).start()
+    client = openai.OpenAI(base_url=cut_server.url + "/v1", api_key="test", max_retries=0, timeout=TIMEOUT_S)
+    chunks = iter(client.completions.create(model="tiny", prompt=prompt(8), max_tokens=1500, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    next(chunks)
+    stopping = threading.Thread(target=cut_server.stop)
+    stopping.start()
+    with pytest.raises(openai.APIError, match="drain timeout ended this request"):
+        list(chunks)  # the old server dropped the connection mid-chunk (httpx.RemoteProtocolError)
+    stopping.join(TIMEOUT_S)
+    served = app.state.served
+    assert served.cut_off == 1 and not served.flights
+    assert metric(served.metrics.render().decode(), "ttftc_requests_total", 'finish_reason="cut_off"') == 1
+    wait_until(lambda: llm.loop.running == 0, timeout_s=TIMEOUT_S, what="the cut request to leave the engine")

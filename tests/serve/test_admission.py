@@ -70,17 +70,24 @@ def get_metrics(server) -> str:
         return response.read().decode()
 
 
-def test_a_tenants_priority_is_a_floor_on_the_requests_own(served, client, monkeypatch):
+def test_a_tenants_priority_is_the_best_of_its_range_and_a_request_outside_it_gets_a_400(served, client,
+                                                                                         monkeypatch):
     llm, _ = served
     submitted = submitted_priorities(monkeypatch, llm)
-    cases = [("batch", None, 5), ("batch", -3, 5), ("batch", 9, 9), ("vip", None, -2), ("vip", -7, -2),
-             ("vip", 3, 3), ("acme", -3, -3), (None, None, 0), (None, -3, -3)]
-    for tenant, requested, _ in cases:
+    # (tenant, requested, what it runs at; None: a 400). A single value is a range's best: 5 means 5 and later.
+    cases = [("batch", None, 5), ("batch", -3, None), ("batch", 9, 9), ("vip", None, -2), ("vip", -7, None),
+             ("vip", 3, 3), ("acme", -3, None), ("acme", 4, 4), (None, None, 0), (None, -3, None)]
+    for tenant, requested, expected in cases:
         body = {"ignore_eos": True} if requested is None else {"ignore_eos": True, "priority": requested}
         headers = {"X-Tenant": tenant} if tenant else {}
+        if expected is None:
+            with pytest.raises(openai.BadRequestError, match=f"priority {requested} is outside"):
+                client.completions.create(model="tiny", prompt=ids(6), max_tokens=2, temperature=0,
+                                          extra_body=body, extra_headers=headers)
+            continue
         client.completions.create(model="tiny", prompt=ids(6), max_tokens=2, temperature=0, extra_body=body,
                                   extra_headers=headers)
-    assert submitted == [expected for _, _, expected in cases]
+    assert submitted == [expected for _, _, expected in cases if expected is not None]
 
 
 def test_under_a_busy_engine_requests_get_their_first_token_in_priority_order(served, gate):
@@ -235,7 +242,7 @@ def test_tenant_priorities_without_a_tenant_header_are_refused(served):
         create_app(llm, policy=ServingPolicy(tenant_priorities={"batch": 5}))
     with pytest.raises(ValueError, match="slo_margin"):
         ServingPolicy(slo_ttft_ms=700, slo_margin=1.5)
-    with pytest.raises(ValueError, match="tenant 'batch': priority must be an integer"):
+    with pytest.raises(ValueError, match="tenant 'batch': a priority range's best must be an integer"):
         ServingPolicy(tenant_priorities={"batch": 2**31})
 
 
@@ -248,7 +255,7 @@ def test_serve_refuses_bad_policy_flags_before_loading_a_model(capsys):
             main(["serve", "tiny", *flags])
         assert exited.value.code == 2, flags
     assert main(["serve", "tiny", "--tenant-priority", "batch=5"]) == 2
-    assert "--tenant-priority needs --tenant-header" in capsys.readouterr().err
+    assert "--tenant-priority and a priority file's tenants need --tenant-header" in capsys.readouterr().err
     assert main(["serve", "tiny", "--tenant-header", "X-Tenant", "--tenant-priority", "a=1",
                  "--tenant-priority", "a=2"]) == 2
     assert "names 'a' more than once" in capsys.readouterr().err

@@ -46,7 +46,8 @@ def dynamic_runner(model: torch.nn.Module, config: Config, logits: str, kv: bool
 
 
 class CompiledGraphs:
-    """GraphSource for a live model. `compiles` counts graphs this process actually traced and compiled."""
+    """GraphSource for a live model. `compiles` counts graphs this process actually traced and compiled,
+    `cache_hits` those it loaded from the compile cache instead (the server's /metrics reports both)."""
 
     def __init__(self, model: torch.nn.Module, config: Config, *, cache=None):
         self.model = model

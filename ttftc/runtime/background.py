@@ -11,7 +11,9 @@ graph from the shortest bucket up (a bucket is used from the moment that graph i
 `PrefillEngine.use_bucket_graphs`), then the batched graphs, which only matter once several cold prompts of one
 bucket arrive together. Then the KV path, warmed on an engine
 of its own, which the serving engine swaps in for the eager model. One progress line per bucket and one for the
-KV path go to `on_progress` (and to this module's logger).
+KV path go to `on_progress` (and to this module's logger); a bucket's line says whether its graphs were "loaded"
+from the compile cache or "compiled" by this process. `warm` turns True once nothing is left to compile: every
+graph the server will use is in place (a graph that failed is not used, its prompts run on the KV path).
 
 Sharing the model with the engine thread. Tracing reads the model's attention implementation, which the engine's
 batched decode switches for the length of one forward; both hold `engine.attention_lock` for that, and the engine
@@ -59,6 +61,12 @@ def compile_graph(prefill: BucketedModel, bucket: int, batch: int) -> None:
     prefill(ids, logits_to_keep=1, use_cache=True)
 
 
+def ready_how(compiled: int) -> str:
+    """How a graph (or a bucket's graphs) became ready: "compiled" if this process compiled any, else "loaded" (from
+    the compile cache, or an artifact)."""
+    return "compiled" if compiled else "loaded"
+
+
 def warm_kv_path(engine: PrefillEngine, stop: Callable[[], bool] = lambda: False) -> bool:
     """Run the KV path's shapes once on `engine`: a cold prefill, one continuing from KV (a cached prefix, a later
     chunk), decodes; also a one-token prompt and its decode, because a compiled model specialises sizes of 1 into
@@ -101,6 +109,13 @@ def warm_batched_decode(engine: PrefillEngine) -> None:
             first.kv.release()
 
 
+def _batches_how(done: dict[int, str]) -> str:
+    """"2, 4 compiled", or per batch size where they differ: "2 loaded, 4 compiled"."""
+    if len(set(done.values())) == 1:
+        return f"{', '.join(map(str, done))} {next(iter(done.values()))}"
+    return ", ".join(f"{batch} {how}" for batch, how in done.items())
+
+
 class BackgroundCompile:
     """See the module docstring. `notes` (a list) receives a line for each failure, as LLM.notes does."""
 
@@ -116,6 +131,7 @@ class BackgroundCompile:
         self.buckets_compiled = 0
         self.buckets_failed = 0
         self.kv_path = "pending" if kv_model is not None else "eager"  # then "compiled" or "failed"
+        self.warm = False  # True once the thread has tried every graph (not when stopped before)
         self._ready: dict[int, tuple[int, ...]] = {}
         self.done = threading.Event()
         self._stop = threading.Event()
@@ -156,6 +172,7 @@ class BackgroundCompile:
                 self._compile_buckets()
             if self.kv_model is not None and not self._stop.is_set():
                 self._compile_kv_path()
+            self.warm = not self._stop.is_set()
         except BaseException as exc:  # a bug here must not take the server down with it
             self._fail(f"background compile stopped: {type(exc).__name__}: {exc}")
         finally:
@@ -182,29 +199,32 @@ class BackgroundCompile:
         usable = []
         for bucket in buckets:
             started = time.perf_counter()
-            if not self._compile(bucket, 1):
+            how = self._compile(bucket, 1)
+            if how is None:
                 if self._stop.is_set():
                     return
                 self.buckets_failed += 1
                 continue
             usable.append(bucket)
             self.buckets_compiled += 1
-            self._progress(f"bucket {bucket} compiled in {time.perf_counter() - started:.1f} s "
+            self._progress(f"bucket {bucket} {how} in {time.perf_counter() - started:.1f} s "
                            f"({self.buckets_compiled}/{self.buckets_total})")
         for bucket in usable:
             started = time.perf_counter()
             batched = sorted(self.engine.planned_batch_sizes(bucket))[1:]
-            done = [batch for batch in batched if self._compile(bucket, batch)]
+            done = {batch: how for batch in batched if (how := self._compile(bucket, batch)) is not None}
             if self._stop.is_set():
                 return
             if done:
-                self._progress(f"bucket {bucket} batch sizes {', '.join(map(str, done))} compiled in "
+                self._progress(f"bucket {bucket} batch sizes {_batches_how(done)} in "
                                f"{time.perf_counter() - started:.1f} s")
 
-    def _compile(self, bucket: int, batch: int) -> bool:
-        """Compile one graph and hand it to the engine; False (and a note) if it failed, or if stopped."""
+    def _compile(self, bucket: int, batch: int) -> Optional[str]:
+        """Compile (or load) one graph and hand it to the engine: how it became ready (`ready_how`), or None (and a
+        note) if it failed, or if stopped."""
         if self._stop.is_set():
-            return False
+            return None
+        compiled_before = self.prefill.graphs_compiled
         try:
             with self.engine.attention_lock:
                 compile_graph(self.prefill, bucket, batch)
@@ -212,10 +232,11 @@ class BackgroundCompile:
             what = f"bucket {bucket}" if batch == 1 else f"bucket {bucket} batch {batch}"
             self._fail(f"{what} failed to compile, its prompts run on the KV path"
                        f"{'' if batch == 1 else ' or at a smaller batch'}: {type(exc).__name__}: {exc}")
-            return False
+            return None
         self._ready = {**self._ready, bucket: self._ready.get(bucket, ()) + (batch,)}
         self.engine.use_bucket_graphs(self.prefill, self._ready)
-        return True
+        # Only this thread compiles bucket graphs while it runs (the engine never calls one before it is published).
+        return ready_how(self.prefill.graphs_compiled - compiled_before)
 
     def _compile_kv_path(self) -> None:
         started = time.perf_counter()

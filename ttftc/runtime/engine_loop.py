@@ -118,12 +118,13 @@ class EngineLoop:
         the queue (with it) has drained. `prompt_ids` must be valid (`engine.validate`); nothing is queued."""
         scheduler = self.scheduler
         with self._cond:
-            inbox = [queued for _, _, _, queued in self._inbox]
+            inbox = [(queued, arrived) for _, _, arrived, queued in self._inbox]
         view = scheduler.view
         base = len(view.prefills) + len(inbox)
-        if inbox:
+        if inbox:  # they age from their arrival, as the scheduler will count them
             prefills = view.prefills + tuple(QueuedPrefill(q.priority, q.remaining, q.position, base + k,
-                                                           q.decode_tokens) for k, q in enumerate(inbox))
+                                                           q.decode_tokens, waiting_since=arrived)
+                                             for k, (q, arrived) in enumerate(inbox))
             view = QueueView(prefills, view.decoding, view.step_ends_at, view.joins_step)
         new = self._queued(prompt_ids, tenant, priority, max_new_tokens, base + len(inbox))
         return simulate(scheduler.cost_model, view, scheduler.shape, new, self.clock())

@@ -41,11 +41,24 @@ better priority is in flight (prefilling or decoding): it shares no step with a 
 `yield_chunk` tokens per step (min_chunk by default), which bounds the step a better arrival waits for. Yielding
 costs the low-priority prompt throughput (more, smaller forwards), which is what its priority asked for.
 
-Aging bounds starvation: a prefill's priority improves by one level per AGE_STEP_S seconds since it arrived or last
-ran a chunk, up to the best priority among the prefills. So a low-priority prompt under a stream of higher-priority
-prefills that leaves it no step waits at most (its priority - theirs) * AGE_STEP_S seconds plus
-`max_skipped_steps` steps for each chunk; a prompt that runs, if in small chunks, is not starving and keeps its
-priority. Equal priorities order as if there were none, however long each waited.
+Aging bounds starvation without letting a backlog outrank the priority it aged to (`aged_priority` in
+runtime/ttft_estimate.py, which the replay shares):
+  - a prefill's priority improves by one level per AGE_STEP_S seconds since it arrived or last ran a chunk, up to
+    the best priority among the prefills, and reaches that best after MAX_AGE_S whatever the gap: a priority
+    2**31 levels behind still gets there (priorities are a privilege over HTTP, serve/policy.py, but not in-process);
+  - a prefill that aged to a level goes after the prefills native to it, and yields there (at most `yield_chunk`
+    tokens a step), as it did below: aging earns it a place in the step, not the front of it. So a fresh request
+    of priority -1 is not queued behind 200 prompts of priority 0 that merely waited a second (they did, when ties
+    went to the earlier arrival);
+  - and so that a flood at the best level cannot keep aged prefills out for ever, each step reserves `yield_chunk`
+    tokens for ONE aged prefill at the top level that got nothing for `max_skipped_steps` steps (the one skipped
+    longest), planned first and run last: the native requests' forwards in that step go before it.
+So a prefill waits at most min((its priority - the best) * AGE_STEP_S, MAX_AGE_S) seconds plus
+(`max_skipped_steps` + 1) steps for each aged prefill ahead of it, per chunk; a prompt that runs, if in small
+chunks, is not starving and keeps its priority. A request at the best level is delayed by aged work by at most one
+`yield_chunk` forward a step, which the TTFT replay counts, and a later arrival of its own or a worse priority never
+goes ahead of it, except a shorter one of its own priority (shortest first) for at most `max_skipped_steps` steps.
+Equal priorities order as if there were none, however long each waited.
 
 The batching window. A request that has not started its prefill waits until `batch_window_s` has passed since the
 earliest such request arrived, or until the waiting prompts hold `token_budget` tokens, whichever comes first;
@@ -84,14 +97,13 @@ from typing import Callable, Hashable, Optional, Sequence, Union
 from ttftc.runtime.chunked import FirstToken, PrefillJob
 from ttftc.runtime.engine import PrefillEngine, PromptIds
 from ttftc.runtime.sampling import GREEDY, Sampling
-from ttftc.runtime.ttft_estimate import CostModel, QueuedDecode, QueuedPrefill, QueueView, StepShape
+from ttftc.runtime.ttft_estimate import (AGE_STEP_S, MAX_AGE_S, CostModel, QueuedDecode, QueuedPrefill, QueueView,
+                                         StepShape, aged_priority)
 
 # RequestRecord.finish_reason values.
 LENGTH, STOP, CANCELLED, ERROR = "length", "stop", "cancelled", "error"
 
-# One priority level per second waited: priorities separate interactive requests (a TTFT target under a second)
-# from batch work, so a batch request may wait behind interactive ones for seconds per level, never for ever.
-AGE_STEP_S = 1.0
+__all__ = ["AGE_STEP_S", "MAX_AGE_S", "Request", "RequestRecord", "StepScheduler", "StepStats"]
 
 
 @dataclass
@@ -360,7 +372,8 @@ class StepScheduler:
 
     @property
     def shape(self) -> StepShape:
-        return StepShape(self.token_budget, self.chunk_size, self.min_chunk, self.batch_window_s, self.yield_chunk)
+        return StepShape(self.token_budget, self.chunk_size, self.min_chunk, self.batch_window_s, self.yield_chunk,
+                         self.max_skipped_steps)
 
     def _publish_view(self, plan: Sequence[tuple[_Prefill, int]] = (), *, ends_at: Optional[float] = None,
                       aged: Optional[dict[int, int]] = None, joins_step: bool = False) -> None:
@@ -376,9 +389,13 @@ class StepScheduler:
             if item.job.remaining - n <= 0:
                 decoding.append(QueuedDecode(item.request.priority, after))
             else:
+                ran = n > 0
                 prefills.append(QueuedPrefill(aged.get(id(item), item.request.priority), item.job.remaining - n,
                                               item.job.position + n, item.arrival_order, after,
-                                              started=item.started or n > 0))
+                                              started=item.started or ran, native=item.request.priority,
+                                              waiting_since=ends_at if ran and ends_at is not None
+                                              else item.waiting_since,
+                                              skipped=0 if ran else item.skipped_steps))
         self.view = QueueView(tuple(prefills), tuple(d for d in decoding if d.tokens > 0), ends_at, joins_step)
 
     def _decode(self, budget: int, finished: list, emitted: list) -> int:
@@ -417,17 +434,15 @@ class StepScheduler:
         return count
 
     def _aged_priorities(self) -> dict[int, int]:
-        """Each prefill's priority this step (by id): its own, one level better per AGE_STEP_S waited since it
-        arrived or last ran a chunk, never past the best priority among the prefills (the module docstring says
-        why)."""
+        """Each prefill's priority this step (by id): `aged_priority` of its own, counted from its arrival or last
+        chunk, toward the best priority among the prefills (the module docstring says why)."""
         priorities = {id(item): item.request.priority for item in self._prefilling}
         best = min(priorities.values(), default=0)
         if all(p == best for p in priorities.values()):
             return priorities  # nothing to catch up with (and no clock read: steps stay as they were)
         now = self.clock()
         for item in self._prefilling:
-            levels = math.floor(max(0.0, now - item.waiting_since) / AGE_STEP_S)
-            priorities[id(item)] = max(best, item.request.priority - levels)
+            priorities[id(item)] = aged_priority(item.request.priority, now - item.waiting_since, best)
         return priorities
 
     def _admissible(self, aged: dict[int, int]) -> list[_Prefill]:
@@ -443,21 +458,27 @@ class StepScheduler:
         if not window_closed:
             return started
         slots = len(waiting) if self.max_running is None else max(0, self.max_running - self.num_running)
-        waiting.sort(key=lambda item: (aged[id(item)], item.arrival_order))
+        # Native before aged at a level (module docstring): a backlog that aged takes no slot ahead of a fresh request.
+        waiting.sort(key=lambda item: (aged[id(item)], aged[id(item)] < item.request.priority, item.arrival_order))
         return started + waiting[:slots]
 
     def _plan_prefills(self, admitted: list[_Prefill], budget: int, aged: dict[int, int],
                        best: int) -> list[tuple[_Prefill, int]]:
         """This step's prefills and their tokens; `best` is the best priority in flight (prefills and decodes)."""
         plan: list[tuple[_Prefill, int]] = []
-        for item in sorted(admitted, key=lambda item: self._prefill_order(item, aged)):
+        order = sorted(admitted, key=lambda item: self._prefill_order(item, aged))
+        reserved = self._reserved(order, aged)
+        if reserved is not None:  # planned first, so that it always gets its tokens; run last (module docstring)
+            order.remove(reserved)
+            order.insert(0, reserved)
+        for item in order:
             if budget <= 0:
                 break
             if plan and aged[id(item)] > aged[id(plan[0][0])]:
                 break  # a worse prefill shares no step with a better one (and all behind it are as bad)
             job = item.job
             want = job.remaining if self.chunk_size is None else min(self.chunk_size, job.remaining)
-            if self.chunk_size is not None and aged[id(item)] > best:
+            if self.chunk_size is not None and (aged[id(item)] > best or aged[id(item)] < item.request.priority):
                 want = min(want, self.yield_chunk)  # it yields: short steps for the better requests in flight
             if not plan:
                 n = want if self.chunk_size is None else min(want, budget)  # the first prefill always runs
@@ -469,7 +490,18 @@ class StepScheduler:
                 continue  # a sliver of the budget would cost a whole forward for a few tokens; the next step has room
             plan.append((item, n))
             budget -= n
+        if reserved is not None and plan and plan[0][0] is reserved:
+            plan.append(plan.pop(0))
         return plan
+
+    def _reserved(self, order: list[_Prefill], aged: dict[int, int]) -> Optional[_Prefill]:
+        """The aged prefill whose tokens this step reserves: at the top level, starving, skipped longest."""
+        if not order:
+            return None
+        top = aged[id(order[0])]
+        starving = [item for item in order if aged[id(item)] == top and top < item.request.priority
+                    and item.skipped_steps >= self.max_skipped_steps]
+        return max(starving, key=lambda item: (item.skipped_steps, -item.arrival_order), default=None)
 
     def _prefill(self, plan: list[tuple[_Prefill, int]], finished: list, emitted: list) -> int:
         """Run the planned prefills in priority order; the bucketed ones together, where the first of them stands."""
@@ -574,7 +606,8 @@ class StepScheduler:
 
     def _prefill_order(self, item: _Prefill, aged: dict[int, int]) -> tuple:
         starving = item.skipped_steps >= self.max_skipped_steps
-        return (aged[id(item)], not starving, item.job.remaining, item.arrival_order)
+        return (aged[id(item)], aged[id(item)] < item.request.priority, not starving, item.job.remaining,
+                item.arrival_order)
 
     def run_until_idle(self) -> dict[Hashable, RequestRecord]:
         while not self.idle:

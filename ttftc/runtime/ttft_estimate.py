@@ -30,9 +30,14 @@ request queued while a step decodes joins that step's prefills (`QueueView.joins
 goes after everything of a better priority, and among its own priority where its remaining tokens put it. What it
 cannot know: requests that arrive later with a better priority (they will jump ahead), sequences that stop at
 EOS before their max_tokens (it counts their decodes to the end), and the slots of `max_running` (it assumes a
-free one). Shared bucketed forwards are counted as separate ones: the fit absorbs what batching saves. Priorities
-do not age during the replay, and a prompt whose prefill the replay finishes decodes at the priority it had aged
-to, where the scheduler counts a running sequence at its own.
+free one). Shared bucketed forwards are counted as separate ones: the fit absorbs what batching saves.
+
+Aging is replayed as the scheduler ages (`aged_priority`, used by both): each step, on the replay's clock, a
+prefill's level is recomputed from its own priority and the time since it arrived or last ran a chunk; a prefill
+that aged to a level goes after those native to it and yields there; a prefill skipped `max_skipped_steps` steps
+goes first among its kind, and one aged starving prefill at the top level has `yield_chunk` tokens reserved in
+each step (run after the others). So the aged backlog's share of every step is in the estimate, and a request the
+estimate puts at the best level cannot be pushed back by work of a worse priority that arrives after it.
 
 Threads: the scheduler's thread observes; any thread estimates. The fitted coefficients are one tuple replaced
 whole, so a reader sees one fit or the next, never half of each.
@@ -42,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 # Feature scales: tokens in thousands and token x context products in millions keep the 3x3 system well
 # conditioned whatever the prompt lengths.
@@ -52,6 +57,23 @@ _ATTEND = 1e-6
 _OVERHEAD_ALPHA = 0.05
 # A replay never runs more steps than this (a prompt of the largest context in 1-token chunks stays far below it).
 _MAX_STEPS = 200_000
+
+# One priority level per second waited: priorities separate interactive requests (a TTFT target under a second)
+# from batch work, so a batch request may wait behind interactive ones for seconds per level, never for ever.
+AGE_STEP_S = 1.0
+# However many levels behind, a prefill reaches the best level after this long: half a minute is past any
+# interactive TTFT target, so a wider gap only says "after everything else", and that must still end.
+MAX_AGE_S = 30.0
+
+
+def aged_priority(native: int, waited_s: float, best: int) -> int:
+    """The level a prefill of priority `native` stands at after `waited_s` seconds without a chunk, when `best` is
+    the best priority among the prefills (runtime/scheduler.py's docstring says why)."""
+    if native <= best:
+        return native
+    if waited_s >= MAX_AGE_S:
+        return best
+    return max(best, native - math.floor(max(0.0, waited_s) / AGE_STEP_S))
 
 
 @dataclass(frozen=True)
@@ -65,6 +87,7 @@ class CostPrior:
     row_s: float = 0.002  # per decoding sequence
     weight: float = 0.25  # how many measurements the prior is worth, in all
     decay: float = 0.99  # each new measurement keeps this share of the weight of the older ones (memory ~100)
+    volatile_decay: float = 0.5  # the same on a volatile path (ForwardPaths.volatile): memory ~2
 
     def __post_init__(self):
         for name in ("forward_s", "token_s", "attend_s", "step_s", "row_s"):
@@ -73,8 +96,9 @@ class CostPrior:
                 raise ValueError(f"CostPrior.{name} must be a finite number >= 0, got {value!r}")
         if not (self.weight > 0 and math.isfinite(self.weight)):
             raise ValueError(f"CostPrior.weight must be a positive number, got {self.weight!r}")
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"CostPrior.decay must be in (0, 1], got {self.decay!r}")
+        for name in ("decay", "volatile_decay"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"CostPrior.{name} must be in (0, 1], got {getattr(self, name)!r}")
 
 
 def _prefill_features(rows: Sequence[tuple[int, int]]) -> tuple[float, float, float]:
@@ -156,60 +180,114 @@ def _gauss(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
 
 
-class CostModel:
-    """Seconds per prefill forward and per decode step, fitted online (see the module docstring)."""
+@dataclass(frozen=True)
+class ForwardPaths:
+    """Which code path a forward would run on now, by name: the cost model keeps a fit per name.
 
-    def __init__(self, prior: Optional[CostPrior] = None):
+    A server's forwards change speed as it warms up. The same prompt runs on the eager KV path while its bucket
+    compiles (sharing the CPU and the GIL with the compile), then in the bucket's graph, and later on the
+    compiled KV path. One fit over all of them lags each switch by its memory of about a hundred forwards, so the
+    estimates of a warm-up rest on another path's speed; a fit per path follows its own measurements from its
+    first forward.
+
+    prefill(n, ctx): the path of a forward of n new tokens after ctx tokens of KV. decode(): the decode's path.
+    volatile(path): True for a path whose speed swings while it runs, as a path sharing the CPU with a compile
+    does (a trace holds the GIL for a while, then nothing runs beside the forward): its fit forgets faster
+    (CostPrior.volatile_decay), so that it follows the last few forwards.
+    """
+
+    prefill: Callable[[int, int], Hashable]
+    decode: Callable[[], Hashable]
+    volatile: Callable[[Hashable], bool] = lambda path: False
+
+
+ONE_PATH = ForwardPaths(prefill=lambda n, ctx: None, decode=lambda: None)
+
+
+@dataclass
+class _PathFits:
+    prefill: _OnlineLeastSquares
+    decode: _OnlineLeastSquares
+    step_overhead_s: float = 0.0  # one float, replaced whole: readers on other threads see one value or the next
+
+
+class CostModel:
+    """Seconds per prefill forward and per decode step, fitted online (see the module docstring), one fit per
+    forward path (`ForwardPaths`; by default one path). A path seen for the first time starts from the prior.
+    The step overhead is kept per decode path, which names the server's state (compiling or warm)."""
+
+    def __init__(self, prior: Optional[CostPrior] = None, paths: ForwardPaths = ONE_PATH):
         self.prior = prior = prior or CostPrior()
-        prefill_points = []
+        self.paths = paths
+        self._prefill_points = []
         for n, ctx in ((16, 0), (128, 0), (512, 0), (128, 1024), (128, 3968)):
             x = _prefill_features([(n, ctx)])
             y = prior.forward_s + prior.token_s * n + prior.attend_s * n * (ctx + n / 2.0)
-            prefill_points.append((x, y))
-        decode_points = [((1.0, float(rows)), prior.step_s + prior.row_s * rows) for rows in (1, 8, 32)]
-        self._prefill = _OnlineLeastSquares(prefill_points, prior.weight, prior.decay)
-        self._decode = _OnlineLeastSquares(decode_points, prior.weight, prior.decay)
-        self.step_overhead_s = 0.0  # one float, replaced whole: readers on other threads see one value or the next
+            self._prefill_points.append((x, y))
+        self._decode_points = [((1.0, float(rows)), prior.step_s + prior.row_s * rows) for rows in (1, 8, 32)]
+        self._fits: dict[Hashable, _PathFits] = {}
+        self._prefill_count = 0
+        self._decode_count = 0
+
+    def _fits_of(self, path: Hashable) -> _PathFits:
+        fits = self._fits.get(path)
+        if fits is None:
+            prior = self.prior
+            decay = prior.volatile_decay if self.paths.volatile(path) else prior.decay
+            fits = _PathFits(_OnlineLeastSquares(self._prefill_points, prior.weight, decay),
+                             _OnlineLeastSquares(self._decode_points, prior.weight, decay))
+            fits = self._fits.setdefault(path, fits)  # two threads meeting a new path keep one fit
+        return fits
 
     @property
     def prefill_measurements(self) -> int:
-        return self._prefill.count
+        return self._prefill_count
 
     @property
     def decode_measurements(self) -> int:
-        return self._decode.count
+        return self._decode_count
+
+    @property
+    def step_overhead_s(self) -> float:
+        return self._fits_of(self.paths.decode()).step_overhead_s
 
     def coefficients(self) -> dict[str, float]:
-        """The fit in plain units: seconds per forward, per token, per token x context token; per step and row."""
-        forward, token, attend = self._prefill.coef
-        step, row = self._decode.coef
+        """The fit in plain units: seconds per forward, per token, per token x context token; per step and row. The
+        prefill terms are those of the path a cold 128-token prompt would take now."""
+        forward, token, attend = self._fits_of(self.paths.prefill(128, 0)).prefill.coef
+        decode = self._fits_of(self.paths.decode())
+        step, row = decode.decode.coef
         return {"forward_s": forward, "token_s": token * _TOKENS, "attend_s": attend * _ATTEND, "step_s": step,
-                "row_s": row, "overhead_s": self.step_overhead_s}
+                "row_s": row, "overhead_s": decode.step_overhead_s}
 
     def observe_prefill(self, rows: Sequence[tuple[int, int]], seconds: float) -> None:
         """One prefill forward took `seconds`; `rows` are its prompts' (new tokens, tokens already in the KV)."""
         if not rows or not (seconds > 0 and math.isfinite(seconds)):
             return  # a clock that did not move (a test's fake clock) says nothing about cost
-        self._prefill.observe(_prefill_features(rows), seconds)
+        n, ctx = max(rows)  # the rows of one forward share its path (a shared bucketed forward is cold prompts)
+        self._fits_of(self.paths.prefill(n, ctx)).prefill.observe(_prefill_features(rows), seconds)
+        self._prefill_count += 1
 
     def observe_decode(self, rows: int, seconds: float) -> None:
         if rows < 1 or not (seconds > 0 and math.isfinite(seconds)):
             return
-        self._decode.observe((1.0, float(rows)), seconds)
+        self._fits_of(self.paths.decode()).decode.observe((1.0, float(rows)), seconds)
+        self._decode_count += 1
 
     def observe_step(self, total_s: float, forwards_s: float) -> None:
         """A step took `total_s`, of which its timed forwards took `forwards_s`."""
         if not (total_s > 0 and math.isfinite(total_s) and math.isfinite(forwards_s)):
             return
+        fits = self._fits_of(self.paths.decode())
         overhead = max(0.0, total_s - forwards_s)
-        self.step_overhead_s += _OVERHEAD_ALPHA * (overhead - self.step_overhead_s)
+        fits.step_overhead_s += _OVERHEAD_ALPHA * (overhead - fits.step_overhead_s)
 
     def prefill_s(self, n: int, ctx: int) -> float:
-        """Predicted seconds of one forward of `n` new tokens after `ctx` tokens of KV."""
-        return self._prefill.predict(_prefill_features([(n, ctx)]))
+        """Predicted seconds of one forward of `n` new tokens after `ctx` tokens of KV, on the path it takes now."""
+        return self._fits_of(self.paths.prefill(n, ctx)).prefill.predict(_prefill_features([(n, ctx)]))
 
     def decode_s(self, rows: int) -> float:
-        return self._decode.predict((1.0, float(rows))) if rows > 0 else 0.0
+        return self._fits_of(self.paths.decode()).decode.predict((1.0, float(rows))) if rows > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -222,6 +300,9 @@ class QueuedPrefill:
     order: float  # arrival order: ties of priority and length go to the earlier
     decode_tokens: int = 0  # tokens it decodes after its first one (at most)
     started: bool = False  # a forward ran some of it already (a new request, not started, may go before decodes)
+    native: Optional[int] = None  # its own priority, which it ages from (None: `priority`, and it does not age)
+    waiting_since: Optional[float] = None  # scheduler clock: arrival or its last chunk, what aging counts from
+    skipped: int = 0  # steps in a row it could have run and got nothing
 
 
 @dataclass(frozen=True)
@@ -258,6 +339,7 @@ class StepShape:
     min_chunk: int = 32
     batch_window_s: float = 0.0
     yield_chunk: Optional[int] = None  # most tokens per step of a prefill that yields; None: no bound
+    max_skipped_steps: int = 4  # steps without a chunk after which a prefill is starving
 
 
 @dataclass(frozen=True)
@@ -269,13 +351,23 @@ class TTFTEstimate:
 
 @dataclass
 class _Item:
-    priority: int
+    priority: int  # aged, recomputed every step
     remaining: int
     position: int
     order: float
     decode_tokens: int
     started: bool
+    native: int
+    waiting_since: Optional[float]  # replay clock (now + t); None: it does not age
+    skipped: int = 0
     new: bool = False
+
+    @property
+    def aged(self) -> bool:
+        return self.priority < self.native
+
+    def key(self, shape: StepShape) -> tuple:  # the scheduler's _prefill_order
+        return (self.priority, self.aged, self.skipped < shape.max_skipped_steps, self.remaining, self.order)
 
 
 def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPrefill, now: float) -> TTFTEstimate:
@@ -283,17 +375,32 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
     t = max(0.0, view.step_ends_at - now) if view.step_ends_at is not None else 0.0
     if view.idle:
         t += shape.batch_window_s  # a lone request waits out the batching window
-    items = [_Item(p.priority, p.remaining, p.position, p.order, p.decode_tokens, p.started)
+    items = [_Item(p.priority, p.remaining, p.position, p.order, p.decode_tokens, p.started,
+                   p.priority if p.native is None else p.native, p.waiting_since, p.skipped)
              for p in view.prefills if p.remaining > 0]
-    mine = _Item(new.priority, max(1, new.remaining), new.position, math.inf, new.decode_tokens, False, new=True)
+    mine = _Item(new.priority, max(1, new.remaining), new.position, math.inf, new.decode_tokens, False,
+                 new.priority if new.native is None else new.native, now, new=True)
     items.append(mine)
     decoding = [QueuedDecode(d.priority, d.tokens) for d in view.decoding if d.tokens > 0]
     ttft: Optional[float] = None
     ahead_tokens = 0
     budget_all = shape.token_budget
 
+    def age() -> None:
+        """Each prefill's level at the replay's clock, as the scheduler's _aged_priorities computes it."""
+        best = min(it.native for it in items)
+        for it in items:
+            if it.waiting_since is not None:
+                it.priority = aged_priority(it.native, now + t - it.waiting_since, best)
+            elif it.native <= best:
+                it.priority = it.native
+        items.sort(key=lambda it: it.key(shape))
+
     def run(plan: list[tuple[_Item, int]]) -> None:
         nonlocal t, ttft, ahead_tokens
+        served = {id(item) for item, _ in plan}
+        for item in items:  # the replay assumes a slot for each: every prefill could have run
+            item.skipped = 0 if id(item) in served else item.skipped + 1
         for item, n in plan:
             t += model.prefill_s(n, item.position)
             if ttft is None and not item.new:
@@ -304,9 +411,12 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
             if item.remaining == 0:
                 items.remove(item)
                 if item.decode_tokens > 0:
-                    decoding.append(QueuedDecode(item.priority, item.decode_tokens))
+                    decoding.append(QueuedDecode(item.native, item.decode_tokens))
                 if item.new:
                     ttft = t
+        for item, _ in plan:
+            if item.waiting_since is not None:
+                item.waiting_since = now + t  # the step's end: aging counts from its last chunk
 
     decoded_already = view.joins_step  # the first step's decodes are under way: their time is in step_ends_at
     for _ in range(_MAX_STEPS):
@@ -314,7 +424,7 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
             break
         rows = min(len(decoding), budget_all)
         t += model.step_overhead_s
-        items.sort(key=lambda it: (it.priority, it.remaining, it.order))
+        age()
         best = min([it.priority for it in items] + [d.priority for d in decoding])
         if rows and not decoded_already and any(not it.started and it.priority <= best for it in items):
             run(_plan(items, budget_all - rows, shape, best))  # a new best-priority request goes before decodes
@@ -326,6 +436,7 @@ def simulate(model: CostModel, view: QueueView, shape: StepShape, new: QueuedPre
             decoding[:] = _decode_once(decoding, rows)
         decoded_already = False
         budget = budget_all - rows
+        age()
         best = min([it.priority for it in items] + [d.priority for d in decoding])
         plan = _plan(items, budget, shape, best)
         if not plan:  # decodes fill the budget: the scheduler waits for them to end; so does the replay
@@ -350,7 +461,7 @@ def _decode_once(decoding: list[QueuedDecode], rows: int) -> list[QueuedDecode]:
 def _want(item: _Item, shape: StepShape, best: int) -> int:
     if shape.chunk_size is None:
         return item.remaining
-    if item.priority > best and shape.yield_chunk is not None:
+    if (item.priority > best or item.aged) and shape.yield_chunk is not None:
         return min(shape.yield_chunk, shape.chunk_size, item.remaining)
     return min(shape.chunk_size, item.remaining)
 
@@ -358,7 +469,14 @@ def _want(item: _Item, shape: StepShape, best: int) -> int:
 def _plan(items: list[_Item], budget: int, shape: StepShape, best: int) -> list[tuple[_Item, int]]:
     """The scheduler's _plan_prefills over the replay's items (already in order)."""
     plan: list[tuple[_Item, int]] = []
-    for item in items:
+    order = list(items)
+    top = order[0].priority if order else 0
+    starving = [it for it in order if it.priority == top and it.aged and it.skipped >= shape.max_skipped_steps]
+    reserved = max(starving, key=lambda it: (it.skipped, -it.order), default=None)
+    if reserved is not None:  # planned first, run last (the scheduler's _reserved)
+        order.remove(reserved)
+        order.insert(0, reserved)
+    for item in order:
         if budget <= 0:
             break
         if plan and item.priority > plan[0][0].priority:
@@ -374,4 +492,6 @@ def _plan(items: list[_Item], budget: int, shape: StepShape, best: int) -> list[
             continue
         plan.append((item, n))
         budget -= n
+    if reserved is not None and plan and plan[0][0] is reserved:
+        plan.append(plan.pop(0))
     return plan

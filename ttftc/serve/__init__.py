@@ -7,7 +7,7 @@
 
 Modules: errors (OpenAI's error shape), protocol (request bodies to typed requests), sse (chunks and events),
 metrics (Prometheus), policy (tenant priorities, TTFT-SLO admission), warm (pre-warmed, pinned prompts), app (the
-endpoints), server (uvicorn, signals and drain).
+endpoints), server (uvicorn, signals and drain), timeouts (how long a client may take to send a request).
 """
 
 from ttftc.serve.app import create_app

@@ -20,13 +20,14 @@ time): the header must be set (or stripped) by a trusted proxy. `report_cached_t
 Every request gets a TTFT estimate before it is queued (runtime/ttft_estimate.py: a cost model fitted online from
 the engine's forwards, replayed over the work queued ahead of it in priority order), sent back as the header
 `x-ttftc-estimated-ttft-ms` (milliseconds from the request's arrival at its handler) and recorded in /metrics
-beside the TTFT it got. The policy (serve/policy.py) sets each tenant's priority and, with an SLO, refuses at once
-(HTTP 429 in OpenAI's shape, with `Retry-After`, the seconds until the queue is estimated to drain) a request
-whose estimate misses the SLO by more than its margin.
+beside the TTFT it got. The policy (serve/policy.py) sets the priorities each tenant may ask for (a 400
+outside them) and, with an SLO, refuses at once (HTTP 429 in OpenAI's shape, with `Retry-After`, the seconds
+until the queue is estimated to drain) a request whose estimate misses the SLO by more than its margin.
 
 /health answers ok once the model is loaded, also while an LLM made with `background_compile=True` (as `ttftc
 serve` makes it) still compiles its buckets: requests are served meanwhile, on the KV path where a bucket is not
-ready; `buckets_compiling` in its body and the gauges in /metrics tell how far the compile got.
+ready; `buckets_compiling` in its body and the gauges in /metrics tell how far the compile got, and `warm` turns
+true once every graph the server uses is ready (the KV path's included).
 
 `warm_prompts` (serve/warm.py) are prefilled into the prefix cache and pinned there before `create_app` returns,
 so a server never reports healthy without them; a bad one raises WarmPromptsError and no app is made.
@@ -43,15 +44,16 @@ from typing import Callable, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ttftc.llm import LLM, ParamError, RequestOutput
 from ttftc.runtime.engine_loop import EngineClosedError, TokenEvent
 from ttftc.runtime.prefix_cache import PRIVATE, Tenant
 from ttftc.serve import sse
-from ttftc.serve.errors import APIError, bad_request, error_body
+from ttftc.serve.errors import APIError, bad_request, echo, error_body, shorten
 from ttftc.serve.metrics import CONTENT_TYPE, ServerMetrics
-from ttftc.serve.policy import ServingPolicy
+from ttftc.serve.policy import PriorityRefused, ServingPolicy
 from ttftc.serve.warm import WarmPrompt, Warmed, warm_prompts
 from ttftc.serve.protocol import GenerationRequest, parse_chat, parse_completion
 from ttftc.text import NoTokenizerError
@@ -60,7 +62,9 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
 _GONE = object()  # put on a request's event queue when its client disconnects
+_CUT = object()  # put on a request's event queue when the drain timeout ends it (server.py)
 ESTIMATE_HEADER = "x-ttftc-estimated-ttft-ms"
+_CUT_MESSAGE = "the server is shutting down and its drain timeout ended this request before it finished"
 
 
 def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Optional[str] = None,
@@ -88,7 +92,7 @@ def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Opt
     async def http_error(request: Request, exc: StarletteHTTPException):
         served.metrics.errors.labels(str(exc.status_code)).inc()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", type=kind),
+        return JSONResponse(error_body(f"{request.method} {shorten(request.url.path)}: {exc.detail}", type=kind),
                             status_code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -102,7 +106,7 @@ def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Opt
         if served.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         status = llm.compile_status()
-        return {"status": "ok", "buckets_compiling": status["buckets_compiling"]}
+        return {"status": "ok", "buckets_compiling": status["buckets_compiling"], "warm": status["warm"]}
 
     @app.get("/v1/models")
     async def models():
@@ -124,9 +128,7 @@ def create_app(llm: LLM, *, tenant_header: Optional[str] = None, model_name: Opt
 
 
 async def _parse(request: Request, parse) -> GenerationRequest:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    body = await _read_body(request)
     try:
         try:
             value = json.loads(body)
@@ -136,6 +138,29 @@ async def _parse(request: Request, parse) -> GenerationRequest:
     except RecursionError:  # json.loads, and the repr of a value in an error message, recurse once per level
         raise bad_request("the request body nests JSON arrays or objects too deeply; an OpenAI request needs only a "
                           "few levels") from None
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed MAX_BODY_BYTES: by its Content-Length before any of
+    it is read, else while it streams in (a chunked upload declares no length), so an oversized upload holds at
+    most the limit plus one chunk in memory. uvicorn discards whatever the client still sends of it, until the
+    request timeout (serve/timeouts.py) ends the connection."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > MAX_BODY_BYTES):
+        raise _too_large()
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise _too_large()
+    except ClientDisconnect:  # the client left, or the request timeout closed its connection: nobody reads this
+        raise APIError(499, "the connection closed before the whole request body arrived") from None
+    return bytes(body)
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
 
 
 class _Served:
@@ -149,6 +174,8 @@ class _Served:
         self.report_cached_tokens = report_cached_tokens
         self.policy = policy if policy is not None else ServingPolicy()
         self.draining = False
+        self.flights: set[_Flight] = set()  # responses under way
+        self.cut_off = 0  # responses the drain timeout ended before they were whole
         self.created = int(time.time())
         self._estimate_failed = False
         self.warmed = Warmed((), 0)
@@ -171,7 +198,7 @@ class _Served:
 
     def check_model(self, model: str) -> None:
         if model != self.name:
-            raise bad_request(f"the model {model!r} does not exist; this server serves {self.name!r}",
+            raise bad_request(f"the model {echo(model)} does not exist; this server serves {self.name!r}",
                               param="model", code="model_not_found")
 
     async def handle(self, request: Request, parse, encode, param: str):
@@ -186,6 +213,13 @@ class _Served:
         except ValueError as exc:
             raise bad_request(str(exc), param=param) from None
         return await self.respond(request, parsed, ids, arrived)
+
+    def cut_off_in_flight(self) -> None:
+        """The drain timeout (server.py; on the event loop): end every response still under way. A stream gets an
+        error event and its end, so the client reads a clean end rather than a broken connection; a response not
+        yet started gets a 503. Their engine requests are cancelled, and each is counted in `cut_off` as it ends."""
+        for flight in list(self.flights):
+            flight.cut()
 
     def tenant(self, request: Request) -> Tenant:
         if self.tenant_header is None:
@@ -228,7 +262,10 @@ class _Served:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="draining")
         tenant = self.tenant(request)
-        priority = self.policy.priority(tenant, parsed.priority)
+        try:
+            priority = self.policy.priority(tenant, parsed.priority)
+        except PriorityRefused as exc:  # a privilege the tenant lacks: refused, never clamped (serve/policy.py)
+            raise bad_request(str(exc), param="priority", code="priority_not_allowed") from None
         try:
             self.llm.check_length(ids, parsed.params.max_new_tokens)  # a 400 before any 429
         except ParamError as exc:
@@ -268,6 +305,10 @@ class _Served:
                 event = await flight.events.get()
                 if event is _GONE:
                     return
+                if event is _CUT:
+                    yield sse.event(error_body(_CUT_MESSAGE, type="server_error", code="draining"))
+                    yield sse.DONE
+                    return
                 delta = output.on_event(event)
                 if delta is None or not (delta.token_ids or delta.text):
                     continue
@@ -282,6 +323,7 @@ class _Served:
                 if include_usage:
                     yield sse.event(shape.usage_chunk(completion))
             yield sse.DONE
+            flight.delivered = True  # resumed after the server wrote the end: the whole stream left
         finally:
             flight.close()
 
@@ -293,9 +335,12 @@ class _Served:
                 event = await flight.events.get()
                 if event is _GONE:
                     return Response(status_code=499)
+                if event is _CUT:
+                    raise APIError(503, _CUT_MESSAGE, type="server_error", code="draining")
                 output.on_event(event)
                 if isinstance(event, TokenEvent):
                     last_seen = self._observe_token(flight, arrived, last_seen)
+            flight.delivered = True  # the whole completion is in hand; nothing can cut it now
         finally:
             flight.close()
         completion = output.completion()
@@ -323,8 +368,11 @@ class _Flight:
         self.output = output
         self.events = events
         self.estimated_s = estimated_s  # the TTFT estimated at admission, from the handler's arrival
+        self.delivered = False  # the response was complete before it ended
+        self._cut = False
         self._closed = False
         self._watch = asyncio.create_task(self._watch_client(request))
+        served.flights.add(self)
 
     async def _watch_client(self, request: Request) -> None:
         # The body is read: the server's receive() now returns only when the client disconnects (or the response
@@ -334,6 +382,12 @@ class _Flight:
         self.events.put_nowait(_GONE)  # wakes the response's loop, which ends at once
         self.close()
 
+    def cut(self) -> None:
+        """The drain timeout: the response's loop ends at this event (or uvicorn cancels it later, if the client
+        does not read); either way close() counts it as cut off unless it was delivered whole first."""
+        self._cut = True
+        self.events.put_nowait(_CUT)
+
     def close(self) -> None:
         """Runs once, however the response ended; a request still in the engine is cancelled."""
         if self._closed:
@@ -342,9 +396,12 @@ class _Flight:
         if self._watch is not asyncio.current_task():
             self._watch.cancel()
         served, output = self.served, self.output
+        served.flights.discard(self)
+        if self._cut and not self.delivered:
+            served.cut_off += 1
         if not output.done:
             served.llm.cancel(output.request_id)
-            served.metrics.requests.labels("disconnected").inc()
+            served.metrics.requests.labels("cut_off" if self._cut else "disconnected").inc()
             return
         served.metrics.finished(output.completion())
 

@@ -10,7 +10,9 @@ relative error (estimated - actual) / actual, signed (a negative error is a prom
 
 While the buckets compile in the background (`ttftc serve` starts serving before they are ready), the buckets
 still compiling, compiled and failed are gauges, with whether the KV path runs compiled yet and how many prompts
-ran in a bucketed graph: a bucket's switch-over shows as that count moving.
+ran in a bucketed graph: a bucket's switch-over shows as that count moving. `ttftc_graph_compiles_total` counts the
+graphs this process compiled and `ttftc_graph_cache_loads_total` those it loaded from the compile cache instead (a
+restart on a warm cache shows loads and no compiles); `ttftc_warm` is 1 once every graph the server uses is ready.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 (re-exported for the app)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
@@ -82,6 +85,9 @@ class ServerMetrics:
                       registry=r).set_function(lambda state=state: compile_status()[f"buckets_{state}"])
             Gauge("ttftc_kv_path_compiled", "1 once the KV path (decode, cached prefixes) runs compiled, else 0",
                   registry=r).set_function(lambda: float(compile_status()["kv_path"] in ("compiled", "ready")))
+            Gauge("ttftc_warm", "1 once every graph the server uses is ready (nothing left to compile), else 0",
+                  registry=r).set_function(lambda: float(compile_status()["warm"]))
+            r.register(_GraphCounts(compile_status))
         Gauge("ttftc_bucketed_prefill_prompts", "Prompts whose first stretch ran in a bucketed graph, since start",
               registry=r).set_function(bucketed_prompts)
         if cost_terms is not None:
@@ -110,3 +116,21 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GraphCounts:
+    """Counters read from the LLM at scrape time (prometheus_client's Counter can only be incremented, and the counts
+    live in the compile code, which knows nothing of metrics)."""
+
+    _HELP = {"ttftc_graph_compiles": ("graphs_compiled", "Graphs this process compiled (traced, passes, lowering)"),
+             "ttftc_graph_cache_loads": ("graphs_loaded", "Graphs loaded from the compile cache instead of compiled")}
+
+    def __init__(self, compile_status: Callable[[], dict]):
+        self.compile_status = compile_status
+
+    def describe(self):
+        return [CounterMetricFamily(name, text) for name, (_, text) in self._HELP.items()]
+
+    def collect(self):
+        status = self.compile_status()
+        return [CounterMetricFamily(name, text, value=status[key]) for name, (key, text) in self._HELP.items()]

@@ -9,6 +9,11 @@ the engine, in a prefill shared with other requests. Parameters OpenAI defines t
 this server does not implement (n > 1, logprobs, echo, penalties, logit_bias, tools, ...) are refused unless they
 hold their neutral value, rather than silently ignored. Fields OpenAI does not define are refused too: a typo
 should not pass for a default.
+
+Types are JSON's, strictly: an integer field takes only an integer (`n: true`, `max_tokens: 1.0` and `priority:
+"1"` each get a 400 naming the field), a boolean field only true or false. Python would read true as 1 and 1.0 as
+1; a client that sends them has a bug worth hearing about. Values quoted back in a message are shortened
+(errors.echo).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ttftc.llm import GenerationParams, ParamError, checked_priority
-from ttftc.serve.errors import bad_request
+from ttftc.serve.errors import bad_request, echo, shorten
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # OpenAI's chat default is "up to the context"; a random-weight preset would ramble
@@ -54,7 +59,7 @@ class GenerationRequest:
 def parse_completion(body: Any) -> GenerationRequest:
     body = _object(body)
     _check_fields(body, _COMPLETION_FIELDS)
-    if body.get("logprobs") not in (None, 0):
+    if not _neutral(body.get("logprobs"), (None, 0)):
         raise bad_request("logprobs are not supported by this server; omit the field", param="logprobs")
     prompt = _prompt(body.get("prompt"))
     params = _params(body, body.get("max_tokens"), COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
@@ -66,7 +71,7 @@ def parse_completion(body: Any) -> GenerationRequest:
 def parse_chat(body: Any) -> GenerationRequest:
     body = _object(body)
     _check_fields(body, _CHAT_FIELDS)
-    if body.get("logprobs") not in (None, False):
+    if not _neutral(body.get("logprobs"), (None, False)):
         raise bad_request("logprobs are not supported by this server; omit the field", param="logprobs")
     messages = _messages(body.get("messages"))
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -84,10 +89,26 @@ def _object(body: Any) -> dict:
 def _check_fields(body: dict, known: set) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
-        raise bad_request(f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+        raise bad_request(f"unrecognized request argument supplied: {shorten(unknown[0])}", param=unknown[0])
+    for name in ("n", "best_of", "top_logprobs"):  # integers: `n: true` is refused as a non-integer, not as 1
+        _integer(body, name)
     for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] not in neutral:
-            raise bad_request(f"{name}={body[name]!r} is not supported by this server; omit it", param=name)
+        if name in body and not _neutral(body[name], neutral):
+            raise bad_request(f"{name}={echo(body[name])} is not supported by this server; omit it", param=name)
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    """`value` is one of `neutral` with the same JSON type: true is not 1, 1.0 is not 1, 0 is not false."""
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+def _integer(body: dict, name: str) -> Any:
+    """The field as sent (None if absent), refused unless a JSON integer: GenerationParams would take true as 1."""
+    value = body.get(name)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    kind = "a boolean" if isinstance(value, bool) else f"{type(value).__name__} {echo(value)}"
+    raise bad_request(f"{name} must be an integer, got {kind}", param=name)
 
 
 def _model(body: dict) -> str:
@@ -140,7 +161,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise bad_request(f"stream must be true or false, got {stream!r}", param="stream")
+        raise bad_request(f"stream must be true or false, got {echo(stream)}", param="stream")
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -155,7 +176,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
 
 
 def _priority(body: dict) -> Optional[int]:
-    priority = body.get("priority")
+    priority = _integer(body, "priority")
     try:
         return None if priority is None else checked_priority(priority)
     except ParamError as exc:
@@ -184,6 +205,12 @@ def _params(body: dict, max_tokens: Any, default_max: int, max_name: str) -> Gen
     temperature = body.get("temperature")
     top_p = body.get("top_p")
     seed = body.get("seed")
+    for name in (max_name, "top_k", "seed"):
+        _integer(body, name)
+    stop_token_ids = body.get("stop_token_ids")
+    if not isinstance(stop_token_ids, (list, type(None))):
+        raise bad_request(f"stop_token_ids must be a list of integer token ids, got {echo(stop_token_ids)}",
+                          param="stop_token_ids")
     try:
         return GenerationParams(
             max_new_tokens=default_max if max_tokens is None else max_tokens,
@@ -192,7 +219,7 @@ def _params(body: dict, max_tokens: Any, default_max: int, max_name: str) -> Gen
             top_k=None if body.get("top_k") in (None, -1, 0) else body["top_k"],
             seed=seed,
             stop=_stop(body.get("stop")),
-            stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+            stop_token_ids=tuple(stop_token_ids or ()),
             ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"],
         )
     except ParamError as exc:

@@ -2,12 +2,19 @@
 with a free port (`BackgroundServer`, for tests and for embedding).
 
 Shutdown (Ctrl-C or SIGTERM): the server stops listening and answers 503 on connections still open, the
-requests in flight keep streaming for up to `drain_timeout_s`, whatever is left is then cut off (its engine
-request cancelled), and the engine thread stops. A second Ctrl-C exits at once.
+requests in flight keep streaming for up to `drain_timeout_s`, and whatever is left is then cut off: a stream ends
+with an error event and `[DONE]` (a client reads why it ended, not a broken connection), its engine request is
+cancelled, and it counts among the requests `run_server` reports cut off. A response its client does not read
+cannot end that way; uvicorn drops its connection DRAIN_GRACE_S later. Then the engine thread stops. A second
+Ctrl-C exits at once.
+
+`timeouts` (serve/timeouts.py) bound how long a client may take to send a request and stay idle between two.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import socket
 import threading
 import time
@@ -16,13 +23,19 @@ from typing import Optional
 import uvicorn
 from fastapi import FastAPI
 
+from ttftc.serve.timeouts import GuardedH11Protocol, HTTPTimeouts
+
+# After the drain timeout cut the responses in flight, how long their last bytes get to leave before uvicorn drops
+# the connections still open (those whose client stopped reading).
+DRAIN_GRACE_S = 5.0
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn.Server that tells the app it is draining as soon as a shutdown signal arrives."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout_s: float):
         super().__init__(config)
         self._app = app
+        self._drain_timeout_s = drain_timeout_s
 
     def handle_exit(self, sig, frame) -> None:
         served = getattr(self._app.state, "served", None)
@@ -35,40 +48,56 @@ class _DrainingServer(uvicorn.Server):
         if isinstance(captured, list):
             captured.clear()
 
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's drain, with the app cutting off its own responses at the drain timeout (module docstring)
+        before uvicorn's timeout, DRAIN_GRACE_S later, cancels what is still running."""
+        served = getattr(self._app.state, "served", None)
+        cut = None
+        if served is not None:
+            served.draining = True
+            cut = asyncio.get_running_loop().call_later(self._drain_timeout_s, served.cut_off_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if cut is not None:
+                cut.cancel()
 
-def _config(app: FastAPI, host: str, port: int, drain_timeout_s: float, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                          timeout_graceful_shutdown=max(1, int(round(drain_timeout_s))),
-                          # keep-alive connections must not hold the drain open once their request is done
-                          timeout_keep_alive=5)
+
+def _server(app: FastAPI, host: str, port: int, drain_timeout_s: float, log_level: str,
+            timeouts: HTTPTimeouts) -> _DrainingServer:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                            http=functools.partial(GuardedH11Protocol, request_timeout_s=timeouts.request_s),
+                            timeout_graceful_shutdown=drain_timeout_s + DRAIN_GRACE_S,
+                            timeout_keep_alive=timeouts.keep_alive_s)
+    return _DrainingServer(config, app, drain_timeout_s)
 
 
 def run_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout_s: float = 30.0,
-               log_level: str = "info") -> int:
+               log_level: str = "info", timeouts: HTTPTimeouts = HTTPTimeouts()) -> int:
     """Serve until Ctrl-C or SIGTERM, then drain (see the module docstring) and stop the LLM's engine. Returns
-    how many engine requests were still running when the drain timed out."""
+    how many requests the drain cut off: responses ended early, and engine requests still running at its end."""
     served = app.state.served
-    server = _DrainingServer(_config(app, host, port, drain_timeout_s, log_level), app)
+    server = _server(app, host, port, drain_timeout_s, log_level, timeouts)
     try:
-        server.run()  # returns once the HTTP requests in flight finished or were cut off (uvicorn's drain)
+        server.run()  # returns once the HTTP requests in flight finished or were cut off
     finally:
         served.draining = True
-        # Their engine requests are cancelled by now; this stops the engine thread.
-        cut_off = served.llm.close(drain_timeout_s=drain_timeout_s)
-    return cut_off
+        # The cut responses' engine requests are cancelled by now; this stops the engine thread.
+        engine_cut_off = served.llm.close(drain_timeout_s=drain_timeout_s)
+    return served.cut_off + engine_cut_off
 
 
 class BackgroundServer:
     """The app served on a thread at `url` (127.0.0.1 and a free port by default); a context manager."""
 
     def __init__(self, app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float = 5.0,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", timeouts: HTTPTimeouts = HTTPTimeouts()):
         self.app = app
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = self._socket.getsockname()[:2]
-        self._server = _DrainingServer(_config(app, self.host, self.port, drain_timeout_s, log_level), app)
+        self._server = _server(app, self.host, self.port, drain_timeout_s, log_level, timeouts)
         self._thread: Optional[threading.Thread] = None
 
     @property
