@@ -29,6 +29,7 @@ from ttftc.serve.timeouts import GuardedH11Protocol, HTTPTimeouts
 # the connections still open (those whose client stopped reading).
 DRAIN_GRACE_S = 5.0
 
+
 class _DrainingServer(uvicorn.Server):
     """uvicorn.Server that tells the app it is draining as soon as a shutdown signal arrives."""
 
