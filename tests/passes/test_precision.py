@@ -298,9 +298,19 @@ class TorchaoStyleLinear(torch.nn.Module):
         return torch._int_mm(x_q, self.w_q.t()).to(torch.float32) * scale * self.w_s
 
 
-def test_torchao_int_mm_chain_fuses_into_int8_linear():
+def _exact_int32_product(a, b):
+    return (a.long() @ b.long()).to(torch.int32)  # |a·b| <= 127 · 128 · K fits int32 for every K here
+
+
+def test_torchao_int_mm_chain_fuses_into_int8_linear(monkeypatch):
     x = torch.randn(24, 64)
-    actual, expected, report, dtypes = _compile(TorchaoStyleLinear(), x, ttftc.Config(precision="int8"))
+    module = TorchaoStyleLinear()
+    actual, _, report, dtypes = _compile(module, x, ttftc.Config(precision="int8"))
+    # The reference is the module with _int_mm's exact int32 product: _int_mm itself is no oracle where oneDNN runs
+    # it with AVX2's u8s8 dot products (ONEDNN_MAX_CPU_ISA=AVX2 on a VNNI CPU), whose int16 sums saturate.
+    with monkeypatch.context() as exact:
+        exact.setattr(torch, "_int_mm", _exact_int32_product)
+        expected = module(x)
     assert dtypes == {"int8_linear": {(INT8, INT8)}}
     assert report.ops_before["aten._int_mm"] == 1
     assert report.ops_after["ttftc.int8_linear"] == 1 and "aten._int_mm" not in report.ops_after

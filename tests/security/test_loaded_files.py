@@ -10,11 +10,13 @@ load: the bytes served are the bytes hashed, so a rewrite just after the check i
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -83,9 +85,27 @@ _CACHE = _ATTACK + """
 """
 
 
-def _run(script: str, *args: str) -> str:
+# Builds the cache the attacks load, in a process of its own like theirs.
+_POPULATE = """
+    import sys
+    import ttftc
+    from ttftc import zoo
+    from ttftc.bucketed import compile_bucketed
+    from ttftc.cache import CompileCache
+
+    model = zoo.build("llama", "sdpa")
+    compile_bucketed(model, ttftc.Config(buckets=(16,)), cache=CompileCache(sys.argv[1]))(
+        zoo.example_ids(model, 10), logits_to_keep=1)
+"""
+
+
+def _run(script: str, *args: str, choices: Optional[Path] = None) -> str:
+    """Run `script` in a fresh interpreter; `choices`: the machine-choices store it shares with other children (a
+    child that measured bf16 attention otherwise than the one that filled the cache would key its graphs otherwise,
+    and miss)."""
+    env = dict(os.environ) if choices is None else {**os.environ, "TTFTC_MACHINE_CHOICES": str(choices)}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).parents[2])
+                          timeout=600, cwd=Path(__file__).parents[2], env=env)
     assert done.returncode == 0, (f"exit status {done.returncode} (negative: killed by that signal)\n"
                                   f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return done.stdout
@@ -99,18 +119,17 @@ def test_a_loaded_artifact_outlives_its_weights_file(clean_artifact, tmp_path, h
 
 @pytest.fixture(scope="module")
 def populated_cache(tmp_path_factory):
-    """One bucket of the tiny llama the child builds, compiled into a compile cache once."""
-    root = tmp_path_factory.mktemp("loaded") / "cache"
-    model = zoo.build("llama", "sdpa")
-    compile_bucketed(model, ttftc.Config(buckets=(16,)), cache=CompileCache(root))(
-        zoo.example_ids(model, 10), logits_to_keep=1)
-    return root
+    """One bucket of the tiny llama the child builds, compiled into a compile cache once, and the machine-choices
+    store the children share."""
+    where = tmp_path_factory.mktemp("loaded")
+    _run(_POPULATE, str(where / "cache"), choices=where / "choices.json")
+    return where
 
 
 @pytest.mark.parametrize("how", _ATTACKS)
 def test_a_model_loaded_from_the_compile_cache_outlives_its_blobs(populated_cache, tmp_path, how):
-    root = shutil.copytree(populated_cache, tmp_path / "cache")
-    assert "unchanged" in _run(_CACHE, str(root), how)
+    root = shutil.copytree(populated_cache / "cache", tmp_path / "cache")
+    assert "unchanged" in _run(_CACHE, str(root), how, choices=populated_cache / "choices.json")
 
 
 def test_the_weights_served_are_the_bytes_whose_checksum_was_verified(clean_artifact, clean_logits, tmp_path,
