@@ -302,3 +302,19 @@ def test_explain_names_the_int8_gemm_chosen_here_and_only_for_int8():
     note = cpu.int8_gemm_choice().describe()
     assert note in ttftc.explain(model, ids, config=ttftc.Config(precision="int8")).notes
     assert note not in ttftc.explain(model, ids, config=ttftc.Config(precision="fp32")).notes
+
+
+def test_the_int8_gemm_override_runs_an_exact_gemm_and_refuses_a_wrong_or_unknown_one(monkeypatch):
+    """$TTFTC_INT8_GEMM picks the int8 GEMM without timing (another CPU class's choice, emulated here), but only one
+    that is exact on this machine: an override may be slower, never wrong."""
+    monkeypatch.setenv(cpu.INT8_GEMM_ENV, "fp32")
+    forced = cpu._recorded_choice()
+    assert forced.gemm == "fp32" and forced.ms == {} and "set by TTFTC_INT8_GEMM=fp32" in forced.describe()
+    monkeypatch.setenv(cpu.INT8_GEMM_ENV, "int8_magic")
+    with pytest.raises(ValueError, match="expected one of int_mm, onednn_u8, native_avx2, fp32"):
+        cpu._recorded_choice()
+    monkeypatch.setenv(cpu.INT8_GEMM_ENV, "int_mm")
+    monkeypatch.setitem(cpu.GEMMS, "int_mm", lambda xq, xs, w, ws, bias, out_dtype: torch.zeros(
+        xq.shape[0], w.shape[0], dtype=out_dtype))  # a GEMM that is wrong on any operands
+    with pytest.raises(ValueError, match="cannot run exactly here"):
+        cpu._recorded_choice()

@@ -47,6 +47,7 @@ class Int8GemmChoice:
     ms: Mapping[str, float] = field(default_factory=dict)  # measured candidates, FP32 included
     refused: Mapping[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
     provenance: Optional[Provenance] = field(default=None, compare=False)  # measured now or loaded, and when
+    forced_by: str = ""  # the override that set it, where one did (nothing was timed then)
 
     @property
     def int8_speedup(self) -> float:
@@ -82,6 +83,8 @@ class Int8GemmChoice:
         chosen = self.ms.get(self.gemm)
         mine = "" if chosen is None else f"{chosen:.1f} ms"
         when = "" if self.provenance is None else f"; {self.provenance.describe()}"
+        if self.forced_by:
+            return f"int8 GEMM: {self.gemm} (set by {self.forced_by}; checked exact here, not timed)"
         return f"int8 GEMM: {self.gemm} ({'; '.join([mine] + others if mine else others)} at {m}x{k}x{n}{when})"
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 import weakref
 from typing import Callable
@@ -233,6 +234,9 @@ def native_int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_int8: torch.Tens
 
 
 GEMMS = {"int_mm": int8_gemm, "onednn_u8": onednn_u8_gemm, NATIVE: native_int8_gemm, FP32: fp32_gemm}
+# Overrides the measured int8 GEMM (one of GEMMS): for a machine the measurement misleads, and to run another CPU
+# class's choice here (an AVX2 CPU's native_avx2 on an AVX-512 one).
+INT8_GEMM_ENV = "TTFTC_INT8_GEMM"
 
 
 def _gemm_reason(name: str) -> str | None:
@@ -250,8 +254,23 @@ def _unavailable_gemms() -> dict[str, str]:
     return {name: reason for name in GEMMS if (reason := _gemm_reason(name)) is not None}
 
 
+def _forced_choice(name: str) -> Int8GemmChoice:
+    """The int8 GEMM that $TTFTC_INT8_GEMM names, once it can run here and is exact (an override may pick a slower
+    GEMM, never a wrong one)."""
+    if name not in GEMMS:
+        raise ValueError(f"{INT8_GEMM_ENV}={name!r}: expected one of {', '.join(GEMMS)}, or unset it to measure")
+    reason = _gemm_reason(name) or policy.exactness_reason(GEMMS[name])
+    if reason is not None:
+        raise ValueError(f"{INT8_GEMM_ENV}={name}: that GEMM cannot run exactly here ({reason}); unset it to measure")
+    return Int8GemmChoice(name, policy.TIMED_SHAPE, forced_by=f"{INT8_GEMM_ENV}={name}")
+
+
 def _recorded_choice() -> Int8GemmChoice:
-    """This machine's int8 GEMM: from its record of measured choices (measured.py), else measured now and kept."""
+    """This machine's int8 GEMM: from its record of measured choices (measured.py), else measured now and kept;
+    $TTFTC_INT8_GEMM overrides both (and is never stored)."""
+    override = os.environ.get(INT8_GEMM_ENV)
+    if override is not None:
+        return _forced_choice(override)
     unavailable = _unavailable_gemms()
     choice, provenance = recall("int8_gemm", lambda: measure(GEMMS, unavailable), policy.encode,
                                 lambda raw: policy.decode(raw, GEMMS, unavailable))
