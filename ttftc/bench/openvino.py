@@ -214,8 +214,8 @@ def load(model: torch.nn.Module, mode: str, threads: int) -> OpenVinoModel:
     converted = openvino.convert_model(export(model))
     if mode in ("int8w", "int8"):
         import nncf  # lazy: the [openvino] extra; missing_reason(quantized=True) has said so when it is absent
-        from nncf.quantization.advanced_parameters import (AdvancedQuantizationParameters,
-                                                           AdvancedSmoothQuantParameters)
+        from nncf.quantization.advanced_parameters import (  # lazy: the [openvino] extra, as above
+            AdvancedQuantizationParameters, AdvancedSmoothQuantParameters)
 
         if mode == "int8w":
             converted = nncf.compress_weights(converted, mode=nncf.CompressWeightsMode.INT8_ASYM)
