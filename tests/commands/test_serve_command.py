@@ -9,6 +9,7 @@ import pytest
 import ttftc.llm
 import ttftc.serve
 from ttftc.cli import main
+from ttftc.serve.policy import PriorityRange
 
 
 @pytest.fixture
@@ -36,3 +37,25 @@ def test_a_yield_chunk_that_is_not_a_positive_number_is_refused(llm_calls, capsy
         main(["serve", "tiny", "--yield-chunk", "0"])
     assert exit_info.value.code == 2
     assert "--yield-chunk" in capsys.readouterr().err and not llm_calls
+
+
+def test_tenant_priority_ranges_and_a_priority_file_reach_the_policy(tmp_path, monkeypatch):
+    """Issue 40: NAME=BEST..WORST, NAME=BEST (to the largest), and a priority file's default and tenants."""
+    seen = {}
+    monkeypatch.setattr(ttftc.llm, "LLM", lambda *a, **k: SimpleNamespace(notes=[], name="tiny",
+                                                                               close=lambda **_: None))
+    monkeypatch.setattr(ttftc.serve, "create_app", lambda llm, **k: seen.update(k) or "app")
+    monkeypatch.setattr(ttftc.serve, "run_server", lambda *a, **k: 0)
+    path = tmp_path / "p.json"
+    path.write_text('{"default": [0, 50], "tenants": {"ops": [-9, 3]}}')
+    assert main(["serve", "tiny", "--tenant-header", "X-T", "--tenant-priority", "batch=5..9",
+                 "--tenant-priority", "vip=-2", "--priority-file", str(path)]) == 0
+    policy = seen["policy"]
+    assert policy.tenant_priorities == {"batch": PriorityRange(5, 9), "vip": PriorityRange(-2),
+                                        "ops": PriorityRange(-9, 3)}
+    assert policy.default_priorities == PriorityRange(0, 50)
+    for flags in (["--tenant-priority", "a=5..1"], ["--tenant-priority", "a=1..x"]):
+        with pytest.raises(SystemExit):
+            main(["serve", "tiny", "--tenant-header", "X-T", *flags])
+    path.write_text('{"default": [-1, 50]}')
+    assert main(["serve", "tiny", "--priority-file", str(path)]) == 2

@@ -13,6 +13,8 @@ NO_BUCKETS = "none"
 DEFAULT_BUCKETS_TEXT = "32,64,128,256,512,1024,2048"  # ttftc.llm.SERVING_BUCKETS, not imported: --help stays quick
 DEFAULT_STEP_TOKENS = 512  # ttftc.llm.DEFAULT_STEP_TOKENS
 DEFAULT_CHUNK_TOKENS = 128  # ttftc.llm.DEFAULT_CHUNK_TOKENS
+DEFAULT_REQUEST_TIMEOUT_S = 30.0  # ttftc.serve.timeouts.HTTPTimeouts.request_s
+DEFAULT_KEEP_ALIVE_S = 5.0  # ttftc.serve.timeouts.HTTPTimeouts.keep_alive_s
 
 
 def _buckets(text: str):
@@ -33,16 +35,19 @@ def _non_negative_seconds(text: str) -> float:
     return seconds(text, allow_zero=True)
 
 
-def _tenant_priority(text: str) -> tuple[str, int]:
+def _tenant_priority(text: str) -> tuple[str, tuple[int, int]]:
+    """NAME=BEST..WORST, or NAME=BEST (to the largest priority): the priorities the tenant's requests may ask for."""
     name, sep, value = text.rpartition("=")
+    best, dots, worst = value.partition("..")
     try:
-        number = int(value.strip())
+        numbers = (int(best.strip()), int(worst.strip()) if dots else (1 << 31) - 1)
     except ValueError:
-        number = None
-    if not sep or not name.strip() or number is None or not -(1 << 31) <= number < (1 << 31):
-        raise argparse.ArgumentTypeError(f"--tenant-priority {text!r}: expected NAME=INT with INT a 32-bit integer "
-                                         "(lower runs sooner), e.g. batch=5")
-    return name.strip(), number
+        numbers = None
+    if (not sep or not name.strip() or numbers is None or not all(-(1 << 31) <= n < (1 << 31) for n in numbers)
+            or numbers[0] > numbers[1]):
+        raise argparse.ArgumentTypeError(f"--tenant-priority {text[:80]!r}: expected NAME=BEST..WORST or NAME=BEST "
+                                         "with 32-bit integers, BEST <= WORST (lower runs sooner), e.g. batch=5..9")
+    return name.strip(), numbers
 
 
 def _margin(text: str) -> float:
@@ -117,9 +122,15 @@ def add_parser(subparsers) -> None:
                    "server must set this header (or strip it): whoever can set it can confirm guesses of that "
                    "tenant's cached prompt prefixes through usage.prompt_tokens_details.cached_tokens (and, more "
                    "noisily, TTFT)")
-    p.add_argument("--tenant-priority", type=_tenant_priority, action="append", default=[], metavar="NAME=INT",
-                   help="the priority of tenant NAME's requests (repeatable; needs --tenant-header; lower runs "
-                   "sooner). A request's own priority field may ask to run later than this, never sooner")
+    p.add_argument("--tenant-priority", type=_tenant_priority, action="append", default=[],
+                   metavar="NAME=BEST..WORST",
+                   help="the priorities tenant NAME's requests may ask for (repeatable; needs --tenant-header; lower "
+                   "runs sooner); NAME=BEST alone means BEST..2147483647. A request that names none runs at BEST; "
+                   "one outside the range gets a 400. Requests without a listed tenant may ask for 0 or later")
+    p.add_argument("--priority-file", metavar="FILE",
+                   help='JSON {"default": [BEST, WORST], "tenants": {NAME: [BEST, WORST] or BEST}}: the same ranges '
+                   "as --tenant-priority, plus the range of requests without a listed tenant (default 0..2147483647; "
+                   "its BEST may not be below 0)")
     p.add_argument("--slo-ttft-ms", type=seconds, metavar="MS",
                    help="admission control (off by default): answer 429 at once, with Retry-After, to a request "
                    "whose estimated TTFT exceeds MS by more than --slo-margin")
@@ -139,6 +150,24 @@ def add_parser(subparsers) -> None:
                    "the field tells a client nothing about other requests' prompts")
     p.add_argument("--drain-timeout", type=_non_negative_seconds, default=30.0,
                    help="seconds requests in flight may finish after Ctrl-C or SIGTERM (default 30)")
-    p.add_argument("--threads", type=_positive, help="torch intra-op threads (default: one per core)")
+    p.add_argument("--request-timeout", type=seconds, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="S",
+                   help="seconds a client has to send a whole request (line, headers, body) from its connection's "
+                   "opening or the request's first byte; slower ones are closed, so connections that never finish a "
+                   f"request (slowloris) cannot pile up (default {DEFAULT_REQUEST_TIMEOUT_S:g})")
+    p.add_argument("--keep-alive-timeout", type=seconds, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
+                   help=f"seconds a connection may stay idle between requests (default {DEFAULT_KEEP_ALIVE_S:g})")
+    p.add_argument("--threads", type=_positive, help="torch intra-op threads (default: one per core; with "
+                   "--replicas, per replica: the cores divided among the replicas)")
+    p.add_argument("--replicas", type=_positive, metavar="N",
+                   help="serve N replicas of the model (each its own process, engine and prefix cache) behind this "
+                   "one endpoint, on Ray Serve (pip install 'ttftc[fleet]'); a local Ray cluster starts unless "
+                   "--ray-address names one. Without it, one process serves, and Ray is not used")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="with --replicas: join this running Ray cluster (e.g. 10.0.0.5:6379, or auto), so the "
+                   "replicas can span its machines")
+    p.add_argument("--routing", choices=("prefix", "balanced"),
+                   help="with --replicas: prefix (default) sends a request to the replica most likely to hold its "
+                   "tenant's prompt prefix in cache, unless that replica is much busier than the least loaded; "
+                   "balanced sends each to the least-loaded replica")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(run_module="ttftc.commands.serve_run")
