@@ -89,6 +89,19 @@ def pin_int8_gemm():
     _set_int8_gemm_choice(measured)
 
 
+@pytest.fixture
+def measured_int8_gemm(monkeypatch):
+    """This machine's int8 GEMM as the measurement makes it, also where $TTFTC_INT8_GEMM forces another CPU class's
+    choice on the run (the tests of the measurement itself): the process's choice comes back after."""
+    from ttftc.codegen.cpu import int8_linear
+
+    before = int8_linear.int8_gemm_choice()
+    monkeypatch.delenv(int8_linear.INT8_GEMM_ENV, raising=False)
+    int8_linear.int8_gemm_choice.cache_clear()
+    yield int8_linear.int8_gemm_choice
+    _set_int8_gemm_choice(before)
+
+
 @pytest.fixture(params=("int_mm", "onednn_u8", "native_avx2", "fp32"))
 def each_int8_gemm(request, pin_int8_gemm):
     """Runs the test once per int8 GEMM candidate that this CPU runs exactly, pinned as the measured choice."""

@@ -253,8 +253,8 @@ def test_autotune_rejects_a_saturating_gemm_on_its_full_range_tuning_inputs(monk
     assert result.config["gemm"] != "onednn_u8"
 
 
-def test_the_measured_choice_here_is_exact_and_described():
-    choice = cpu.int8_gemm_choice()
+def test_the_measured_choice_here_is_exact_and_described(measured_int8_gemm):
+    choice = measured_int8_gemm()
     assert isinstance(choice, Int8GemmChoice) and choice.gemm in cpu.GEMMS and choice.gemm not in choice.refused
     assert FP32 in choice.ms and choice.describe().startswith(f"int8 GEMM: {choice.gemm} (")
 

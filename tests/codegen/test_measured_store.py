@@ -21,6 +21,7 @@ from ttftc.codegen.cpu.int8_gemm_choice import FP32, choose
 def store(tmp_path, monkeypatch):
     path = tmp_path / "machine" / "choices.json"
     monkeypatch.setenv(measured.STORE_ENV, str(path))
+    monkeypatch.delenv(int8_linear.INT8_GEMM_ENV, raising=False)  # these tests store and load what is measured
     return path
 
 

@@ -187,8 +187,8 @@ def test_an_avx2_cpu_chooses_the_native_gemm_where_it_beats_fp32(ms, chosen):
     assert choice.gemm == chosen and choice.usable(NATIVE) == (chosen == NATIVE)
 
 
-def test_the_choice_here_measured_the_native_gemm():
-    choice = cpu.int8_gemm_choice()
+def test_the_choice_here_measured_the_native_gemm(measured_int8_gemm):
+    choice = measured_int8_gemm()
     assert NATIVE in choice.ms or NATIVE in choice.refused
     assert (NATIVE in choice.refused) == (cpu.native_int8_reason() is not None)
 

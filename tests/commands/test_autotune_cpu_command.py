@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 from ttftc.cli import main
-from ttftc.codegen.cpu import _blas, measured
+from ttftc.codegen.cpu import _blas, int8_linear, measured
 
 
 def test_autotune_cpu_forgets_the_record_measures_every_choice_and_stores_it(tmp_path, monkeypatch, capsys):
     store = tmp_path / "choices.json"
     monkeypatch.setenv(measured.STORE_ENV, str(store))
     monkeypatch.delenv(_blas.GEMM_BACKEND_ENV, raising=False)
+    monkeypatch.delenv(int8_linear.INT8_GEMM_ENV, raising=False)
     decode = lambda raw: measured.checked_times(raw, ("blas",))  # noqa: E731
     measured.recall("stale", lambda: {"blas": 1.0}, dict, decode)  # a choice measured before: forgotten
     assert main(["autotune", "--cpu"]) == 0

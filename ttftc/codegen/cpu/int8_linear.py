@@ -256,13 +256,19 @@ def _unavailable_gemms() -> dict[str, str]:
 
 def _forced_choice(name: str) -> Int8GemmChoice:
     """The int8 GEMM that $TTFTC_INT8_GEMM names, once it can run here and is exact (an override may pick a slower
-    GEMM, never a wrong one)."""
+    GEMM, never a wrong one). Every candidate is still checked, untimed: one that cannot run, or runs inexactly, is
+    refused as a measurement would refuse it, so a tuned knob cannot name it either."""
     if name not in GEMMS:
         raise ValueError(f"{INT8_GEMM_ENV}={name!r}: expected one of {', '.join(GEMMS)}, or unset it to measure")
-    reason = _gemm_reason(name) or policy.exactness_reason(GEMMS[name])
-    if reason is not None:
-        raise ValueError(f"{INT8_GEMM_ENV}={name}: that GEMM cannot run exactly here ({reason}); unset it to measure")
-    return Int8GemmChoice(name, policy.TIMED_SHAPE, forced_by=f"{INT8_GEMM_ENV}={name}")
+    refused = {}
+    for candidate, gemm in GEMMS.items():
+        reason = _gemm_reason(candidate) or policy.exactness_reason(gemm)
+        if reason is not None:
+            refused[candidate] = reason
+    if name in refused:
+        raise ValueError(f"{INT8_GEMM_ENV}={name}: that GEMM cannot run exactly here ({refused[name]}); unset it to "
+                         f"measure")
+    return Int8GemmChoice(name, policy.TIMED_SHAPE, refused=refused, forced_by=f"{INT8_GEMM_ENV}={name}")
 
 
 def _recorded_choice() -> Int8GemmChoice:
