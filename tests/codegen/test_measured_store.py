@@ -91,6 +91,18 @@ def test_forget_removes_only_this_machines_record(store, monkeypatch):
     assert measured.recall("x", measure, dict, decode)[0] == {"blas": 3.0} and calls == [1]
 
 
+def test_a_full_store_drops_the_machine_measured_longest_ago_not_the_first_digest(store):
+    """The file is written with sorted keys, so its order is the digests' order: eviction goes by age."""
+    machines = {f"{i:02x}" * 32: {"key": {"cpu": f"old {i}"}, "choices": {"x": {"value": 1, "measured_at": 1000.0 + i}}}
+                for i in range(measured.MAX_MACHINES)}
+    machines["00" * 32]["choices"]["x"]["measured_at"] = 9e9  # the first digest, measured last
+    store.parent.mkdir(parents=True)
+    store.write_text(json.dumps({"schema": measured.SCHEMA, "machines": machines}))
+    measured.recall("x", lambda: {"blas": 1.0}, dict, lambda raw: measured.checked_times(raw, ("blas",)))
+    kept = json.loads(store.read_text())["machines"]
+    assert len(kept) == measured.MAX_MACHINES and "00" * 32 in kept and "01" * 32 not in kept
+
+
 @pytest.mark.skipif(measured.fcntl is None, reason="the store's lock needs fcntl")
 def test_a_process_waiting_for_anothers_measurement_loads_it_instead_of_measuring(store, monkeypatch):
     """Replicas starting together: one measures while holding the lock, the other waits, then loads its result."""

@@ -34,12 +34,17 @@ def _deep(depth: int) -> str:
     return "[" * depth + "]" * depth
 
 
+def _sparse(path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
 HOSTILE = {
     "not json": lambda p: p.write_bytes(b"\x00\xff not json"),
     "deeply nested": lambda p: p.write_text(_deep(200_000)),
     "deeply nested inside a record": lambda p: p.write_text(json.dumps(_valid_record(0)).replace("0}", _deep(50_000)
                                                                                                  + "}", 1)),
-    "sparse 1 TiB": lambda p: os.truncate(os.open(p, os.O_CREAT | os.O_WRONLY), 1 << 40),
+    "sparse 1 TiB": lambda p: _sparse(p, 1 << 40),
     "a directory": lambda p: p.mkdir(),
     "a fifo": lambda p: os.mkfifo(p),
     "a link to /dev/zero": lambda p: p.symlink_to("/dev/zero"),

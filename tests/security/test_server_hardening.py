@@ -460,6 +460,19 @@ def test_requests_that_never_finish_are_closed_at_the_request_timeout_and_finish
         assert sum(len(c.choices[0].model_extra["token_ids"]) for c in received if c.choices) == 200
 
 
+def test_a_request_pipelined_behind_an_answered_one_still_has_the_request_timeout(llm):
+    """The second request of one packet starts from uvicorn's buffer once the first is answered, not from a read:
+    its trickling body is timed all the same (the old guard armed only on reads, so it stayed open)."""
+    from ttftc.serve.timeouts import HTTPTimeouts
+
+    pipelined = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    with BackgroundServer(create_app(llm), timeouts=HTTPTimeouts(request_s=1.0, keep_alive_s=600.0)) as server:
+        connection = raw_request(server.host, server.port, pipelined, timeout_s=60)
+        received = read_to_close(connection)  # a socket timeout here (60 s) would be the bypass
+    assert received.startswith(b"HTTP/1.1 200 ") and received.count(b"HTTP/1.1 ") == 1, received[:300]
+
+
 def test_the_request_and_keep_alive_timeouts_are_options_of_ttftc_serve(monkeypatch):
     import ttftc.llm
     import ttftc.serve

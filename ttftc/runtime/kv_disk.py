@@ -3,13 +3,16 @@
 A block on disk is addressed by a digest chain, never by its tokens: the root is sha256 over the model's key and the
 namespace (the tenant, or the cache's shared default), and each block's digest is sha256 over its parent's digest
 and its own token ids. Two tenants, or two models, therefore never address the same file, and a file name tells
-nothing about the prompt.
+nothing about the prompt. A file's body does: it holds the block's token ids (below), as its KV, computed from
+them, already all but did; the directory is as private as the prompts it caches.
 
 A name is not proof of content: anyone who can write the directory can copy one tenant's block under another's name
 and recompute its metadata and checksum. So each block also records what it must be the KV of (its `BlockAddress`):
 its own token ids, its parent's digest (which covers the model, the namespace and every earlier token of the
 prefix) and a digest of its namespace, and every hit compares them with the request's, exactly. A block written
-for other tokens, another prefix or another tenant is refused.
+for other tokens, another prefix or another tenant is refused. That stops a block copied or misplaced under another
+name; it does not authenticate the writer: whoever can write the directory and knows a prompt's tokens can write
+KV for them (a keyed MAC, with its key kept outside the directory, would be what stops that).
 
 Every file in the directory is untrusted input, exactly like an artifact: it is read as a regular file (no
 symlinks) no larger than a block can be, parsed as safetensors (data only), and accepted only when its metadata

@@ -524,28 +524,28 @@ class PrefixCache:
         recomputing; the loaded blocks come back acquired."""
         root = self._roots.get(namespace)
         parent = chain[-1] if chain else root if root is not None else self._new_root(namespace)
-        digests, digest = [], parent.address
+        addresses, address = [], parent.address
         for key in keys[len(chain):]:
-            digest = child_address(digest, key)
-            if not self.disk.contains(digest):
+            address = child_address(address, key)
+            if not self.disk.contains(address):
                 break
-            digests.append(digest)
-        if not digests:
+            addresses.append(address)
+        if not addresses:
             return []
-        tokens, context = len(digests) * self.block_size, len(chain) * self.block_size
+        tokens, context = len(addresses) * self.block_size, len(chain) * self.block_size
         recompute = self.recompute_seconds(tokens, context) if self.recompute_seconds is not None else None
-        if recompute is None or self.disk.load_seconds(len(digests) * self.disk.block_bytes) >= recompute:
-            self._disk_declined += len(digests)
+        if recompute is None or self.disk.load_seconds(len(addresses) * self.disk.block_bytes) >= recompute:
+            self._disk_declined += len(addresses)
             return []
         if root is None:  # no chain either: the parent is a fresh root
             root = parent
         loaded: list[_Node] = []
         node = parent
-        for key, digest in zip(keys[len(chain):], digests):
-            payload = self.disk.load(digest)
+        for key, address in zip(keys[len(chain):], addresses):
+            payload = self.disk.load(address)
             if payload is None or not self._make_room(int(payload.nbytes)):
                 break
-            child = _Node(key, payload, int(payload.nbytes), node, digest)
+            child = _Node(key, payload, int(payload.nbytes), node, address)
             node.children[key] = child
             self._blocks_held += 1
             self._bytes_held += child.nbytes

@@ -56,7 +56,8 @@ runtime/ttft_estimate.py, which the replay shares):
 So a prefill waits at most min((its priority - the best) * AGE_STEP_S, MAX_AGE_S) seconds plus
 (`max_skipped_steps` + 1) steps for each aged prefill ahead of it, per chunk; a prompt that runs, if in small
 chunks, is not starving and keeps its priority. A request at the best level is delayed by aged work by at most one
-`yield_chunk` forward a step, which the TTFT replay counts, and a later arrival of its own or a worse priority never
+`yield_chunk` forward a step (with chunked prefill; without it, the reserved prompt runs whole, once), which the
+TTFT replay counts, and a later arrival of its own or a worse priority never
 goes ahead of it, except a shorter one of its own priority (shortest first) for at most `max_skipped_steps` steps.
 Equal priorities order as if there were none, however long each waited.
 

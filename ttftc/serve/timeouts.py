@@ -63,6 +63,14 @@ class GuardedH11Protocol(H11Protocol):
         if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE):  # the whole request arrived
             self._disarm()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A request pipelined behind the one just answered starts from uvicorn's buffer, not from data_received: its
+        # body may still be trickling in, and its deadline starts now.
+        if (self._deadline is None and not self._between_requests()
+                and self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)):
+            self._arm()
+
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._disarm()
         super().connection_lost(exc)

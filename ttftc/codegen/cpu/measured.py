@@ -179,7 +179,18 @@ def _other_machines(path: Path, digest: str) -> tuple[dict[str, Any], Any]:
     except (ValueError, UnsafePathError, OSError, RecursionError):
         machines = {}  # a damaged file is replaced whole
     mine = machines.pop(digest, None)
-    return dict(list(machines.items())[-(MAX_MACHINES - 1):]), mine
+    # The file is written with sorted keys, so its order says nothing of age: keep the most recently measured.
+    kept = sorted(machines, key=lambda other: _newest(machines[other]))[-(MAX_MACHINES - 1):]
+    return {other: machines[other] for other in kept}, mine
+
+
+def _newest(record: Any) -> float:
+    """When a machine's record was last added to (0 for a record too damaged to say: it goes first)."""
+    choices = record.get("choices") if isinstance(record, dict) else None
+    if not isinstance(choices, dict):
+        return 0.0
+    times = [c.get("measured_at") for c in choices.values() if isinstance(c, dict)]
+    return max((t for t in times if isinstance(t, (int, float)) and not isinstance(t, bool)), default=0.0)
 
 
 def _write(path: Path, name: str, value: Any, measured_at: float, key: Mapping[str, Any]) -> None:
@@ -262,12 +273,13 @@ def forget() -> Path:
     """Remove this machine's record (every choice), so that the next process, or the next recall once the
     callers' caches are cleared, measures again. Returns the store's path."""
     path = store_path()
-    others, _ = _other_machines(path, _digest(machine_key()))
-    if others:
-        _dump(path, others)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    with _exclusive(path):  # a record stored meanwhile by another process is neither lost nor brought back
+        others, _ = _other_machines(path, _digest(machine_key()))
+        if others:
+            _dump(path, others)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     return path
 
 
