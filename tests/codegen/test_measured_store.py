@@ -103,6 +103,53 @@ def test_a_full_store_drops_the_machine_measured_longest_ago_not_the_first_diges
     assert len(kept) == measured.MAX_MACHINES and "00" * 32 in kept and "01" * 32 not in kept
 
 
+# -- a choice measured on a busy machine is provisional ---------------------------------------------------------
+
+def _machine(monkeypatch, others_busy):
+    """Make the CPU look this busy (cores used by other processes) to the store, as /proc/stat would report."""
+    monkeypatch.setattr(measured, "others_busy_cores", lambda window_s=measured.BUSY_WINDOW_S: others_busy)
+
+
+def test_a_choice_measured_on_a_busy_machine_is_measured_again_once_the_machine_is_quiet(store, monkeypatch):
+    decode = lambda raw: measured.checked_times(raw, ("blas", "onednn"))  # noqa: E731
+    _machine(monkeypatch, 1.6)
+    crowded, made = measured.recall("x", lambda: {"blas": 1.0, "onednn": 9.0}, dict, decode)
+    assert made.others_busy == 1.6 and "provisional" in made.describe()
+    # on a machine still busy, the busy record is used, so processes that start together under load agree
+    measure, calls = _counting({"blas": 9.0, "onednn": 1.0})
+    assert measured.recall("x", measure, dict, decode)[0] == crowded and calls == []
+    _machine(monkeypatch, 0.1)
+    quiet, remade = measured.recall("x", measure, dict, decode)
+    assert quiet == {"blas": 9.0, "onednn": 1.0} and calls == [1] and not remade.loaded
+    # the quiet measurement replaced the busy one: it is what every later process loads, busy or not
+    _machine(monkeypatch, 1.9)
+    again, loaded = measured.recall("x", measure, dict, decode)
+    assert again == quiet and calls == [1] and loaded.loaded and "provisional" not in loaded.describe()
+    assert json.loads(store.read_text())["machines"].popitem()[1]["choices"]["x"]["others_busy"] == 0.1
+
+
+def test_a_record_that_does_not_say_how_busy_the_machine_was_is_used_as_it_is(store, monkeypatch):
+    decode = lambda raw: measured.checked_times(raw, ("blas",))  # noqa: E731
+    _machine(monkeypatch, None)  # /proc cannot tell (not Linux): nothing to judge the record by
+    measured.recall("x", lambda: {"blas": 1.0}, dict, decode)
+    assert "others_busy" not in json.loads(store.read_text())["machines"].popitem()[1]["choices"]["x"]
+    _machine(monkeypatch, 0.0)
+    measure, calls = _counting({"blas": 2.0})
+    assert measured.recall("x", measure, dict, decode)[0] == {"blas": 1.0} and calls == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the busy probe reads /proc/stat")
+def test_the_busy_probe_sees_another_process_spinning(tmp_path):
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 60\nwhile time.time() < end: pass"])
+    try:
+        seen = [measured.others_busy_cores(0.3) for _ in range(3)]
+    finally:
+        spinner.kill()
+        spinner.wait()
+    # the spinner keeps one core busy, less only if the rest of a loaded machine starves it
+    assert max(seen) >= measured.BUSY_CORES and all(0.0 <= b <= (os.cpu_count() or 1) + 0.01 for b in seen)
+
+
 @pytest.mark.skipif(measured.fcntl is None, reason="the store's lock needs fcntl")
 def test_a_process_waiting_for_anothers_measurement_loads_it_instead_of_measuring(store, monkeypatch):
     """Replicas starting together: one measures while holding the lock, the other waits, then loads its result."""
@@ -127,7 +174,7 @@ def test_a_process_waiting_for_anothers_measurement_loads_it_instead_of_measurin
         "x", lambda: pytest.fail("measured although another process was measuring it"), dict, decode)))
     waiter.start()
     assert first_read.wait(60)
-    measured._write(store, "x", {"blas": 4.0}, 123.0, measured.machine_key())  # what the other one measured
+    measured._write(store, "x", {"blas": 4.0}, 123.0, measured.machine_key(), None)  # what the other one measured
     os.close(holder)
     waiter.join(60)
     value, provenance = result["got"]

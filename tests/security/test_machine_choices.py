@@ -24,10 +24,10 @@ def store(tmp_path, monkeypatch):
     return path
 
 
-def _valid_record(value) -> dict:
+def _valid_record(value, **extra) -> dict:
     key = measured.machine_key()
     return {"schema": 1, "machines": {measured._digest(key): {"key": key, "choices": {
-        "x": {"value": value, "measured_at": 1.0}}}}}
+        "x": {"value": value, "measured_at": 1.0, **extra}}}}}
 
 
 def _deep(depth: int) -> str:
@@ -56,6 +56,10 @@ HOSTILE = {
     "negative time": lambda p: p.write_text(json.dumps(_valid_record({"blas": -1.0}))),
     "boolean time": lambda p: p.write_text(json.dumps(_valid_record({"blas": True}))),
     "unknown candidate": lambda p: p.write_text(json.dumps(_valid_record({"rm -rf": 1.0}))),
+    "others_busy a string": lambda p: p.write_text(json.dumps(_valid_record({"blas": 1.0}, others_busy="0"))),
+    "others_busy negative": lambda p: p.write_text(json.dumps(_valid_record({"blas": 1.0}, others_busy=-3.0))),
+    "others_busy NaN": lambda p: p.write_text(json.dumps(_valid_record({"blas": 1.0}, others_busy=float("nan")))),
+    "others_busy a boolean": lambda p: p.write_text(json.dumps(_valid_record({"blas": 1.0}, others_busy=False))),
     "measured_at a string": lambda p: p.write_text(json.dumps(_valid_record({"blas": 1.0})).replace("1.0}}}}",
                                                                                                    '"x"}}}}')),
 }

@@ -15,6 +15,13 @@ It is written whole to a temporary file and renamed, so a reader sees the old fi
 Environment overrides (TTFTC_NATIVE_BF16, TTFTC_CPU_GEMM) are answered before a choice is recalled: never stored.
 
 `prefer` is the one near-tie rule every choice uses: within NEAR_TIE of the fastest, a fixed order decides.
+
+A choice measured while other processes kept the cores busy is provisional. On 2 shared cores, oneDNN's and
+OpenMP's kernels slowed 5-25x under contention while ttftc's own kernel did not, so such a record names the
+kernel that copes best with a crowd, not the fastest one (benchmarks/README.md, "Measured choices under load").
+Each record says how busy the other processes kept the CPU while it was measured (`others_busy`, in cores, from
+/proc/stat); a process that finds a busy record on a quiet machine measures again and replaces it. A busy record
+found on a busy machine is used as it is, so processes that start together under load still agree.
 """
 
 from __future__ import annotations
@@ -57,6 +64,10 @@ NEAR_TIE = 0.05
 # How long a process waits for another one's measurement before measuring alone: far longer than every choice's
 # measurement together takes on a loaded machine, so only a process hung while holding the lock is skipped.
 LOCK_WAIT_S = 300.0
+# Other processes using more than this many cores (of the CPU's, while a choice is measured) make the machine busy.
+BUSY_CORES = 0.5
+# How long the CPU is watched to tell whether other processes are using it.
+BUSY_WINDOW_S = 0.1
 
 
 def prefer(times: Mapping[str, float], order: Sequence[str]) -> str:
@@ -77,10 +88,52 @@ class Provenance:
     measured_at: float  # seconds since the epoch
     loaded: bool
     store: str = ""
+    others_busy: Optional[float] = None  # cores other processes used while it was measured; None: not known
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.measured_at))
-        return f"loaded from {self.store}, measured {when}" if self.loaded else f"measured now, {when}"
+        load = ("" if self.others_busy is None or self.others_busy <= BUSY_CORES
+                else f", while other processes used {self.others_busy:.1f} cores: provisional")
+        return (f"loaded from {self.store}, measured {when}" if self.loaded else f"measured now, {when}") + load
+
+
+def _cpu_ticks() -> Optional[tuple[int, int]]:
+    """(busy, total) clock ticks of the whole CPU since boot, from /proc/stat; None where it cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = [int(x) for x in fields[1:]]
+    except (OSError, ValueError):
+        return None
+    if fields[0] != "cpu" or len(ticks) < 5:
+        return None
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    total = sum(ticks[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def _own_ticks() -> Optional[int]:
+    """This process's user + system clock ticks (all its threads), from /proc/self/stat."""
+    try:
+        text = Path("/proc/self/stat").read_text()
+        fields = text[text.rindex(")") + 2:].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def others_busy_cores(window_s: float = BUSY_WINDOW_S) -> Optional[float]:
+    """How many cores processes other than this one kept busy over the next `window_s` (this one sleeps
+    meanwhile); None where /proc cannot tell (not Linux)."""
+    before, own_before = _cpu_ticks(), _own_ticks()
+    time.sleep(window_s)
+    after, own_after = _cpu_ticks(), _own_ticks()
+    if None in (before, after, own_before, own_after):
+        return None
+    busy, total = after[0] - before[0], after[1] - before[1]
+    if total <= 0:
+        return None
+    cores = os.cpu_count() or 1
+    return max(0.0, (busy - (own_after - own_before)) / total * cores)
 
 
 def cpu_flags_and_name() -> tuple[Optional[set[str]], str]:
@@ -193,11 +246,15 @@ def _newest(record: Any) -> float:
     return max((t for t in times if isinstance(t, (int, float)) and not isinstance(t, bool)), default=0.0)
 
 
-def _write(path: Path, name: str, value: Any, measured_at: float, key: Mapping[str, Any]) -> None:
+def _write(path: Path, name: str, value: Any, measured_at: float, key: Mapping[str, Any],
+           others_busy: Optional[float]) -> None:
     """Add or replace one choice in this machine's record, keeping the other machines' records."""
     digest = _digest(key)
     others, mine = _other_machines(path, digest)
-    choices = {**_checked_record(mine, key), name: {"value": value, "measured_at": measured_at}}
+    entry = {"value": value, "measured_at": measured_at}
+    if others_busy is not None:
+        entry["others_busy"] = round(others_busy, 2)
+    choices = {**_checked_record(mine, key), name: entry}
     _dump(path, {**others, digest: {"key": dict(key), "choices": choices}})
 
 
@@ -235,14 +292,30 @@ def _loaded(name: str, path: Path, key: Mapping[str, Any],
     entry = _stored(name, path, key)
     if entry is None:
         return None
-    measured_at = entry.get("measured_at")
+    measured_at, others_busy = entry.get("measured_at"), entry.get("others_busy")
     try:
-        if isinstance(measured_at, bool) or not isinstance(measured_at, (int, float)) or not math.isfinite(measured_at):
+        if not _is_finite_number(measured_at):
             raise ValueError(f"measured_at {str(measured_at)[:80]!r} is not a time")
-        return decode(entry.get("value")), Provenance(float(measured_at), True, str(path))
+        if others_busy is not None and not (_is_finite_number(others_busy) and others_busy >= 0):
+            raise ValueError(f"others_busy {str(others_busy)[:80]!r} is not a number of cores")
+        provenance = Provenance(float(measured_at), True, str(path),
+                                None if others_busy is None else float(others_busy))
+        return decode(entry.get("value")), provenance
     except Exception as exc:  # a hand-edited, hostile or outdated value: measured again, never trusted
         _warn(path, f"stored {name} refused ({type(exc).__name__}: {str(exc)[:200]})")
         return None
+
+
+def _is_finite_number(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _provisional(found: Optional[tuple[T, Provenance]]) -> bool:
+    """A stored choice measured on a busy machine, found now on a quiet one: it is measured again."""
+    if found is None or found[1].others_busy is None or found[1].others_busy <= BUSY_CORES:
+        return False
+    now = others_busy_cores()
+    return now is not None and now <= BUSY_CORES
 
 
 def recall(name: str, measure: Callable[[], T], encode: Callable[[T], Any],
@@ -251,22 +324,27 @@ def recall(name: str, measure: Callable[[], T], encode: Callable[[T], Any],
 
     `decode` turns the stored JSON value back into the choice and raises (any exception) where it is not one, or
     names a provider that cannot run here now: the choice is then measured again and the record overwritten.
+    A stored choice measured on a busy machine is measured again where this one is quiet (module docstring).
     `measure` must not recall a choice itself (it runs holding the store's lock)."""
     path, key = store_path(), machine_key()
     found = _loaded(name, path, key, decode)
-    if found is not None:
+    if found is not None and not _provisional(found):
         return found
     with _exclusive(path):
-        found = _loaded(name, path, key, decode)  # another process may have measured it while this one waited
-        if found is not None:
-            return found
+        # Another process may have measured it while this one waited: what it stored is as fresh as a measurement.
+        again = _loaded(name, path, key, decode)
+        if again is not None and (found is None or again[1].measured_at != found[1].measured_at):
+            return again
+        before = others_busy_cores()
         value, measured_at = measure(), time.time()
+        after = others_busy_cores()
+        others_busy = None if before is None or after is None else max(before, after)
         try:
-            _write(path, name, encode(value), measured_at, key)
+            _write(path, name, encode(value), measured_at, key, others_busy)
         except OSError as exc:  # a read-only cache directory costs a measurement per process, nothing else
             warnings.warn(f"ttftc: cannot store the measured {name} in {path} ({exc.strerror or exc})",
                           RuntimeWarning, stacklevel=2)
-    return value, Provenance(measured_at, False)
+    return value, Provenance(measured_at, False, others_busy=others_busy)
 
 
 def forget() -> Path:
