@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from ttftc.bench import BenchSettings, run_bench
 from ttftc.bench import variants as variants_module
 from ttftc.bench.ablation import ablation_steps
 from ttftc.bench.models import ModelSource, resolve_model
+from ttftc.bench.report import machine_load, summary_lines
 from ttftc.bench.runner import _unseen_lengths
+from ttftc.codegen.cpu import measured
 from ttftc.bench.variants import Prepared, Variant, get_variant, split_variant_list
 
 QUICK = dict(repeats=2, warmup=1, peak_size=256, progress=False, first_call="in-process")
@@ -132,3 +135,20 @@ def test_variant_lists_and_names():
 
 def test_unseen_lengths_are_never_measured_lengths():
     assert _unseen_lengths((128, 129, 512)) == {128: 130, 129: 131, 512: 513}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the machine's load is read from /proc/stat")
+def test_the_document_says_how_busy_other_processes_kept_the_machine_while_timing(monkeypatch):
+    from ttftc.bench import runner
+
+    doc = run_bench(BenchSettings(model="tiny", seqs=(8,), variants=("eager-sdpa",), **QUICK))
+    assert 0.0 <= doc["others_busy_cores"] <= doc["cores"] + 0.01
+    assert "machine load while timing: other processes used" in "\n".join(summary_lines(doc))
+    # a crowded timing phase is named as one: 1.5 of the cores went to others between the two snapshots
+    start = runner.cpu_snapshot()
+    crowded = measured.CpuSnapshot(start.busy + 150, start.total + 200, start.own)
+    monkeypatch.setattr(measured, "cpu_snapshot", lambda: crowded)
+    busy = measured.others_busy_since(start)
+    assert busy == pytest.approx(1.5 * (os.cpu_count() or 1) / 2)
+    assert "a shared machine" in machine_load({**doc, "others_busy_cores": 1.5})
+    assert "a quiet machine" in machine_load({**doc, "others_busy_cores": 0.1})

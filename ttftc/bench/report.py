@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from ttftc.cache.atomic import write_bytes
+from ttftc.codegen.cpu.measured import BUSY_CORES
 
 
 def write_atomically(path: str, data: bytes) -> None:
@@ -47,6 +48,7 @@ def markdown(doc: dict) -> str:
         f"- device: {doc['device']} ({doc['device_name']}, {doc['threads']} threads)",
         f"- capabilities: {doc.get('capabilities') or 'not recorded'}",
         f"- {doc.get('malloc') or 'malloc: not recorded'}",
+        f"- {machine_load(doc)}",
         f"- model: {model['parameters'] / 1e6:.1f} M parameters; prefill: {settings['prefill']}",
         f"- workload: {settings['workload']}; {settings['repeats']} measured repeats after {settings['warmup']} "
         f"warm-up runs, variants interleaved; first call: {settings['first_call']}",
@@ -168,11 +170,21 @@ def write_plot(doc: dict, path: str) -> None:
     save_figure(fig, path, dpi=120)
 
 
+def machine_load(doc: dict) -> str:
+    """What else ran while the variants were timed (runner.py measures it from /proc/stat)."""
+    busy, cores = doc.get("others_busy_cores"), doc.get("cores")
+    if busy is None:
+        return "machine load while timing: not recorded"
+    verdict = "a shared machine: compare ratios within this run only" if busy > BUSY_CORES else "a quiet machine"
+    return f"machine load while timing: other processes used {busy:.2f} of {cores} cores on average ({verdict})"
+
+
 def summary_lines(doc: dict) -> list[str]:
     """A compact table for the terminal."""
     out = [f"{doc['device_name']}: {doc['capabilities']}"] if doc.get("capabilities") else []
     if doc.get("malloc"):
         out.append(doc["malloc"])
+    out.append(machine_load(doc))
     out += [f"{name}: {note}" for name, note in (doc.get("variant_notes") or {}).items()]
     out.append(f"{'variant':<44}{'seq':>6}{'p50 ms':>10}{'p95 ms':>10}{'first s':>9}{'unseen s':>10}{'bound ms':>10}"
                f"{'eff':>7}  status")

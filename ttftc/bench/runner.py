@@ -40,6 +40,7 @@ from ttftc.codegen.cpu._allocator import keep_freed_pages
 from ttftc.codegen.cpu._blas import measured_decode_backend, measured_gemm_backend
 from ttftc.codegen.cpu.attention import describe_kernel_choice
 from ttftc.codegen.cpu.int8_linear import int8_gemm_choice
+from ttftc.codegen.cpu.measured import cpu_snapshot, others_busy_since
 
 from ttftc.bench.ablation import AblationStep, ablation_steps
 from ttftc.bench.caches import fresh_cache_dirs
@@ -192,11 +193,13 @@ def run_bench(settings: BenchSettings) -> dict:
             prepared = _build_all(p, source, cells, progress)
             progress.add_total(-(len(p.variants) - len(prepared)) * len(s.seqs) * per_seq_steps)
             compiled = sum(1 for v in p.variants if v.compiles and v.name in prepared)
+            timed_from = cpu_snapshot()
             with _dynamo_limits(compiled), torch.inference_mode():
                 for seq in s.seqs:
                     _measure_length(p, seq, source.config.vocab_size, prepared, cells, progress, meter)
                 for seq, unseen in _unseen_lengths(s.seqs).items():
                     _measure_unseen(p, seq, unseen, source.config.vocab_size, prepared, cells, progress)
+            others_busy = others_busy_since(timed_from)
             for name, built in prepared.items():
                 with contextlib.suppress(Exception):
                     details[name] = built.details()
@@ -211,7 +214,8 @@ def run_bench(settings: BenchSettings) -> dict:
             gc.collect()
     finally:
         progress.close()
-    return _document(p, peaks, shape, model_info, cells, details, time.perf_counter() - started, autotune_dir, notes)
+    return _document(p, peaks, shape, model_info, cells, details, time.perf_counter() - started, autotune_dir, notes,
+                     others_busy)
 
 
 def _build_all(p: _Plan, source: ModelSource, cells: dict, progress: Progress) -> dict[str, Prepared]:
@@ -391,7 +395,8 @@ def _versions() -> dict[str, Optional[str]]:
 
 
 def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, details, elapsed_s: float,
-              autotune_dir: Optional[str] = None, notes: Optional[dict[str, str]] = None) -> dict:
+              autotune_dir: Optional[str] = None, notes: Optional[dict[str, str]] = None,
+              others_busy: Optional[float] = None) -> dict:
     s = p.settings
     gpu = _published_device(s.device)
     results = []
@@ -439,6 +444,10 @@ def _document(p: _Plan, peaks: dict[str, GemmPeak], shape, model_info, cells, de
         "capabilities": _capabilities(s.device),
         "malloc": keep_freed_pages() if s.device == "cpu" else None,
         "threads": torch.get_num_threads(),
+        # cores that other processes kept busy, on average, while the variants were timed: a figure taken beside
+        # them is a shared machine's, not the machine's
+        "others_busy_cores": None if others_busy is None else round(others_busy, 2),
+        "cores": os.cpu_count(),
         "versions": _versions(),
         "variant_notes": notes or {},  # per variant, what a peer chose (Prepared.header_note)
         "model": model_info,

@@ -121,19 +121,35 @@ def _own_ticks() -> Optional[int]:
         return None
 
 
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """The CPU's busy and total ticks and this process's own, at one moment (None where /proc cannot tell)."""
+
+    busy: int
+    total: int
+    own: int
+
+
+def cpu_snapshot() -> Optional[CpuSnapshot]:
+    ticks, own = _cpu_ticks(), _own_ticks()
+    return None if ticks is None or own is None else CpuSnapshot(ticks[0], ticks[1], own)
+
+
+def others_busy_since(start: Optional[CpuSnapshot]) -> Optional[float]:
+    """How many cores, on average, processes other than this one kept busy since `start`."""
+    end = cpu_snapshot()
+    if start is None or end is None or end.total <= start.total:
+        return None
+    others = (end.busy - start.busy) - (end.own - start.own)
+    return max(0.0, others / (end.total - start.total) * (os.cpu_count() or 1))
+
+
 def others_busy_cores(window_s: float = BUSY_WINDOW_S) -> Optional[float]:
-    """How many cores processes other than this one kept busy over the next `window_s` (this one sleeps
+    """How many cores processes other than this one keep busy over the next `window_s` (this one sleeps
     meanwhile); None where /proc cannot tell (not Linux)."""
-    before, own_before = _cpu_ticks(), _own_ticks()
+    start = cpu_snapshot()
     time.sleep(window_s)
-    after, own_after = _cpu_ticks(), _own_ticks()
-    if None in (before, after, own_before, own_after):
-        return None
-    busy, total = after[0] - before[0], after[1] - before[1]
-    if total <= 0:
-        return None
-    cores = os.cpu_count() or 1
-    return max(0.0, (busy - (own_after - own_before)) / total * cores)
+    return others_busy_since(start)
 
 
 def cpu_flags_and_name() -> tuple[Optional[set[str]], str]:
