@@ -34,7 +34,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="ttftc-kv-disk-") as directory:
         first = llm(directory)
-        vocab = first.engine.geometry.vocab_size
+        vocab = first.geometry.vocab_size
 
         def tokens(n: int) -> list[int]:
             return torch.randint(0, vocab, (n,), generator=generator).tolist()
@@ -50,7 +50,7 @@ def main() -> None:
             cold.append(out.ttft_s)
             [out] = restarted.generate(shared + tokens(args.new), max_new_tokens=1, tenant="bench")
             hit.append(out.ttft_s)
-            stats, tier = restarted.prefix_cache.stats(), restarted.prefix_cache.disk.stats()
+            stats, tier = restarted._prefix_cache.stats(), restarted._prefix_cache.disk.stats()
             rate = tier.load_seconds_per_byte
             print(f"round {round_ + 1}: cold {cold[-1] * 1e3:.0f} ms; restart hit {hit[-1] * 1e3:.0f} ms with "
                   f"{out.cached_tokens} tokens cached ({stats.disk_loaded_blocks} blocks loaded, "

@@ -45,7 +45,7 @@ def main() -> None:
     llm = ttftc.LLM(model, buckets=None, compile_kv_path=not args.eager)
     try:
         print(f"system prompt {args.system} tokens, question {args.question} tokens, {torch.get_num_threads()} "
-              f"threads; block size {llm.engine.prefix_cache.block_size}")
+              f"threads; block size {llm.stats()['prefix_cache'].block_size}")
         print(f"{'call':>4}  {'cold TTFT':>10}  {'TTFT':>10}  {'cached tokens':>13}")
         cold, warm = [], []
         for n, question in enumerate(questions, 1):

@@ -10,6 +10,7 @@ import torch
 
 import ttftc
 from ttftc import zoo
+from ttftc.llm import ServingConfig
 from ttftc.runtime import PRIVATE, EngineClosedError, PrefixCache, background
 from tests.serve.helpers import submitted_priorities, wait_until
 
@@ -33,7 +34,7 @@ def test_generate_matches_the_models_own_greedy_decode(llm):
     results = llm.generate(prompts, max_new_tokens=6, ignore_eos=True, timeout_s=TIMEOUT_S)
     for prompt, result in zip(prompts, results):
         with torch.no_grad():
-            plain = llm.model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+            plain = llm._model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                                        eos_token_id=None)[0, len(prompt):].tolist()
         assert result.token_ids == plain and result.finish_reason == "length"
         assert result.prompt_tokens == len(prompt) and result.ttft_s > 0 and result.queue_s >= 0
@@ -72,11 +73,28 @@ def test_the_llms_own_namespace_can_be_named_and_is_not_anyone_elses():
         assert llm.generate(prompt)[0].cached_tokens == 0
         assert llm.generate(prompt, tenant="app")[0].cached_tokens == 32, "tenant= names the default namespace"
         assert llm.generate(prompt, tenant="other")[0].cached_tokens == 0
-        assert llm.engine.prefix_cache.cached_tokens(prompt, tenant=None) == 0, "the unnamed tree stays empty"
+        assert llm._engine.prefix_cache.cached_tokens(prompt, tenant=None) == 0, "the unnamed tree stays empty"
     finally:
         llm.close()
     with pytest.raises(ValueError, match="tenant must be a string"):
         ttftc.LLM("tiny", buckets=None, warmup=False, compile_kv_path=False, tenant=3)
+
+
+def test_a_config_and_a_prefix_cache_of_your_own(tmp_path):
+    """The main form, LLM(model, ServingConfig(...)), with a PrefixCache given beside the config; a disk tier is
+    for the cache LLM builds, so asking for one with your own cache is refused."""
+    cache = PrefixCache(1 << 24, block_size=8)
+    config = ServingConfig(precision="fp32", buckets=None, compile_kv_path=False, warmup=False, max_running=2)
+    llm = ttftc.LLM("tiny", config, prefix_cache=cache)
+    try:
+        assert llm.config is config and llm._scheduler.max_running == 2
+        prompt = ids(17, 6)
+        assert [llm.generate(prompt)[0].cached_tokens for _ in range(2)] == [0, 16]
+        assert cache.stats().blocks_held == 2 and llm.stats()["prefix_cache"] == cache.stats()
+    finally:
+        llm.close(5)
+    with pytest.raises(ValueError, match="give a PrefixCache of your own its disk="):
+        ttftc.LLM("tiny", ServingConfig(buckets=(32,), kv_disk=tmp_path), prefix_cache=PrefixCache(1 << 24))
 
 
 def test_stream_yields_as_it_goes_and_leaving_early_cancels(llm):
@@ -136,7 +154,7 @@ def test_an_artifact_serves_prefill_and_its_recorded_model_decodes(tmp_path):
     eager = ttftc.LLM("tiny", buckets=None, precision="fp32", prompt_cache=False, compile_kv_path=False)
     served = ttftc.LLM(str(directory), precision="fp32", prompt_cache=False, compile_kv_path=False)
     try:
-        assert served.engine.prefill_model is not None and served.name == "artifact"
+        assert served._engine.prefill_model is not None and served.name == "artifact"
         prompt = ids(20, 7)
         (a,) = served.generate(prompt, max_new_tokens=6, ignore_eos=True, timeout_s=TIMEOUT_S)
         (b,) = eager.generate(prompt, max_new_tokens=6, ignore_eos=True, timeout_s=TIMEOUT_S)
@@ -155,7 +173,7 @@ def test_the_compiled_kv_path_decodes_and_continues_like_the_eager_model():
         assert warm.cached_tokens == 32 and warm.token_ids == results[1].token_ids  # continued from cached KV
         for prompt, result in zip(prompts, results):
             with torch.no_grad():
-                plain = llm.model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                plain = llm._model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
                                            eos_token_id=None)[0, len(prompt):].tolist()
             assert result.token_ids == plain
     finally:
@@ -175,18 +193,19 @@ def test_background_compile_serves_eagerly_then_swaps_the_compiled_kv_path_in(mo
     llm = ttftc.LLM("tiny", buckets=None, precision="fp32", chunked_prefill=16, background_compile=True,
                     on_progress=lines.append)
     try:
-        eager = llm.model
-        assert llm.engine.model is eager and llm.compile_status()["kv_path"] == "pending"
+        eager = llm._model
+        assert llm._engine.model is eager and llm.compile_status()["kv_path"] == "pending"
         prompts = [ids(1, 8), ids(40, 9)]
         before = llm.generate(prompts, max_new_tokens=5, ignore_eos=True, timeout_s=TIMEOUT_S)
-        assert llm.engine.model is eager, "served on the eager model while the KV path compiles"
+        assert llm._engine.model is eager, "served on the eager model while the KV path compiles"
         gate.set()
         assert llm._compiler.done.wait(TIMEOUT_S * 4)
         status = llm.compile_status()
         assert status.pop("graphs_compiled") >= 1, "the KV path's graphs are counted as compiled"
         assert status == {"buckets_total": 0, "buckets_compiled": 0, "buckets_failed": 0, "buckets_compiling": 0,
                           "kv_path": "compiled", "background": True, "warm": True, "graphs_loaded": 0}
-        assert llm.engine.model is not eager and isinstance(llm.engine.model, torch._dynamo.eval_frame.OptimizedModule)
+        compiled = llm._engine.model
+        assert compiled is not eager and isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
         assert len(lines) == 1 and lines[0].startswith("KV path compiled in "), lines
         after = llm.generate(prompts, max_new_tokens=5, ignore_eos=True, timeout_s=TIMEOUT_S)
         assert [r.token_ids for r in after] == [r.token_ids for r in before]
@@ -203,7 +222,7 @@ def test_a_failed_background_kv_compile_keeps_the_eager_model(monkeypatch):
     llm = ttftc.LLM("tiny", buckets=None, precision="fp32", background_compile=True)
     try:
         assert llm._compiler.done.wait(TIMEOUT_S)
-        assert llm.engine.model is llm.model and llm.compile_status()["kv_path"] == "failed"
+        assert llm._engine.model is llm._model and llm.compile_status()["kv_path"] == "failed"
         assert any("simulated Dynamo failure" in note for note in llm.notes), llm.notes
         (result,) = llm.generate([ids(12, 3)], max_new_tokens=3, ignore_eos=True, timeout_s=TIMEOUT_S)
         assert len(result.token_ids) == 3
@@ -216,7 +235,7 @@ def test_the_python_api_compiles_before_it_returns_by_default():
     llm = ttftc.LLM("tiny", buckets=(16,), precision="fp32", prefill_batch_sizes=(1,), compile_kv_path=False,
                     on_progress=lines.append)
     try:
-        assert llm._compiler is None and llm.engine.ready_batches is None and llm.engine.prefill_model is not None
+        assert llm._compiler is None and llm._engine.ready_batches is None and llm._engine.prefill_model is not None
         assert re.match(r"bucket 16 (compiled|loaded) in ", lines[0]), lines
         assert lines[-1].startswith("KV path warmed up (eager) in ")
         assert llm.compile_status()["warm"]
@@ -245,5 +264,5 @@ def test_close_during_the_background_kv_compile_stops_it_at_its_next_forward(mon
         closer.join(TIMEOUT_S)
     assert not closer.is_alive() and llm._compiler.done.is_set()
     assert forwards == [True], "no KV-path forward (no compile) ran after close"
-    assert llm.engine.model is llm.model and llm.compile_status()["kv_path"] == "pending"
+    assert llm._engine.model is llm._model and llm.compile_status()["kv_path"] == "pending"
     assert not llm.compile_status()["warm"], "stopped before the KV path was ready"

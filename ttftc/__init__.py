@@ -23,6 +23,7 @@ _LAZY = {
     "compile": "ttftc.api",
     "explain": "ttftc.api",
     "LLM": "ttftc.llm",
+    "ServingConfig": "ttftc.serving_config",
     "load": "ttftc.aot.load",
 }
 

@@ -1,9 +1,10 @@
 """`ttftc.LLM`: one object that compiles a model (or loads an AOT artifact) and serves it, with the prefix cache,
 chunked prefill, and a scheduler thread that batches prefills and interleaves decodes.
 
-    llm = ttftc.LLM("llama-135m", precision="fp32")           # a preset, a model directory, or an artifact
-    [out] = llm.generate([ids], max_new_tokens=16)             # .token_ids .text .ttft_s .cached_tokens
-    for delta in llm.stream(ids, max_new_tokens=16):           # .token_ids .text, as they are produced
+    llm = ttftc.LLM("llama-135m", ServingConfig(precision="fp32"))  # a preset, a model directory, or an artifact
+    llm = ttftc.LLM("llama-135m", precision="fp32")                 # the same: ServingConfig's fields as keywords
+    [out] = llm.generate([ids], max_new_tokens=16)                  # .token_ids .text .ttft_s .cached_tokens
+    for delta in llm.stream(ids, max_new_tokens=16):                # .token_ids .text, as they are produced
         ...
     llm.close()
 
@@ -34,36 +35,19 @@ from typing import Any, Callable, Hashable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from ttftc import __version__ as TTFTC_VERSION
-from ttftc.aot.artifact import MANIFEST, read_manifest
-from ttftc.aot.load import load as load_artifact
-from ttftc.api import compile as ttftc_compile
-from ttftc.config import Config
-from ttftc.dynamo_backend import TtftcBackend
-from ttftc.models import load_model, resolve_model
-from ttftc.runtime import background
-from ttftc.runtime.engine import PrefillEngine
 from ttftc.runtime.engine_loop import EndEvent, EngineLoop
 from ttftc.runtime.kv import ModelGeometry
-from ttftc.runtime.kv_disk import KVDiskTier
-from ttftc.runtime.kv_disk import model_key as kv_model_key
-from ttftc.runtime.prefix_cache import DEFAULT_BLOCK_SIZE, PRIVATE, PrefixCache, Tenant
+from ttftc.runtime.prefix_cache import PRIVATE, CacheLease, PrefixCache, Tenant
 from ttftc.runtime.sampling import Sampling
-from ttftc.runtime.scheduler import Request, StepScheduler
-from ttftc.runtime.ttft_estimate import CostModel, ForwardPaths
-from ttftc.text import OutputText, PromptCodec, load_tokenizer
+from ttftc.runtime.scheduler import Request
+from ttftc.runtime.ttft_estimate import TTFTEstimate
+from ttftc.serving_config import (  # noqa: F401 (re-exported: ttftc.llm is where callers find them)
+    DEFAULT_CHUNK_TOKENS, DEFAULT_KV_DISK_BYTES, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STEP_TOKENS, SERVING_BUCKETS,
+    ServingConfig)
+from ttftc.serving_parts import build_parts
+from ttftc.text import OutputText
 from ttftc.text import Delta as Delta  # re-exported: what stream() yields
 
-# Bucket table for serving: short chat turns to long documents, each bucket at most 2x its shortest prompt.
-SERVING_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
-DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
-DEFAULT_KV_DISK_BYTES = 8 << 30
-# The scheduler's token budget per step, and the most tokens of one prompt a step prefills. Sized for the TTFT of
-# short requests beside long prompts, not for throughput (measurements: benchmarks/README.md, serving): a step carries
-# the batched decode, the short prompts that arrived (up to ~3 of 128 tokens, in one bucketed forward) and at most
-# a 128-token chunk of a long prompt, so a short request waits for one such step, not for a long prefill.
-DEFAULT_STEP_TOKENS = 512
-DEFAULT_CHUNK_TOKENS = 128
 COMPILE_STOP_TIMEOUT_S = 600  # the most close() waits for the background compile's graph in hand
 _FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "cancelled", "error": "error"}
 
@@ -169,14 +153,14 @@ class RequestOutput:
     """
 
     def __init__(self, llm: "LLM", request_id: Hashable, prompt_tokens: int, params: GenerationParams):
-        self.llm = llm
+        self._llm = llm
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.params = params
-        self._text = OutputText(llm.codec, params.stop)
+        self._text = OutputText(llm._codec, params.stop)
         self._silent = set(params.stop_token_ids)
-        if not params.ignore_eos and llm.eos_token_id is not None:
-            self._silent.add(llm.eos_token_id)
+        if not params.ignore_eos and llm._eos_token_id is not None:
+            self._silent.add(llm._eos_token_id)
         self.token_ids: list[int] = []
         self.finish_reason: Optional[str] = None
         self.record = None
@@ -202,7 +186,7 @@ class RequestOutput:
         delta = self._text.push(event.token)
         if self._text.stopped:
             self.finish_reason = "stop"
-            self.llm.cancel(self.request_id)
+            self._llm.cancel(self.request_id)
         return delta
 
     def completion(self) -> Completion:
@@ -249,213 +233,69 @@ class TokenStream:
 
 
 class LLM:
-    """See the module docstring. Arguments:
+    """See the module docstring. `LLM(model_or_path, config=ServingConfig(...))`, where model_or_path is a
+    transformers causal LM, a zoo preset name, a local model directory, or an artifact directory (one written by
+    `ttftc compile ... -o DIR`), and ServingConfig (ttftc/serving_config.py) holds every serving knob. Its fields may
+    be given as keywords instead, `LLM(model, precision="fp32", buckets=None)`, which builds the ServingConfig (not
+    both). Besides the config: `tokenizer` (overrides the model directory's), `prefix_cache` (a PrefixCache of your
+    own; the keyword form also takes it as `prompt_cache=`), and `on_progress` (called with one line of text per
+    graph compiled and for failures, on whichever thread compiles).
 
-    model_or_path:   a transformers causal LM, a zoo preset name, a local model directory, or an artifact directory
-                     (one written by `ttftc compile ... -o DIR`).
-    precision:       the ttftc Config precision of the compiled prefill graphs ("auto", "fp32", "bf16", "int8").
-    buckets:         prompt-length buckets to compile; None serves everything on the KV path (eager, no compile).
-    prompt_cache:    True (a PrefixCache of `prefix_cache_bytes`), a PrefixCache of your own, or False.
-    chunked_prefill: the most tokens of one prompt a step prefills (long prompts run in chunks, beside other
-                     requests), or None to prefill each prompt whole.
-    yield_chunk:     the most tokens per step of a prompt while a request of better priority is in flight (None:
-                     32, the scheduler's min_chunk): small, so the step a better request waits for is short
-                     (runtime/scheduler.py, Priorities).
-    artifact:        an artifact directory to serve prefill from (instead of compiling); the model it records
-                     (or `model_or_path`) provides the decode.
-    max_batch_tokens: the scheduler's token budget per step (decodes, one token each, plus prefill tokens); also
-                     closes the batching window early. It is what bounds a step's time, and so how long a short
-                     request that arrives during a long prompt's prefill waits: see README, Serving.
-    batch_window_ms: how long a new request may wait for others to share its prefill (see runtime/scheduler.py).
-    max_running:     sequences in flight at once; more wait for a slot.
-    prefill_batch_sizes, prefill_batch_tokens: the batch sizes of shared bucketed prefills, and the most padded
-                     tokens one may hold (on a CPU a batch of long prompts runs slower per prompt than one alone).
-    batched_decode:  decode all running requests in one forward per step (runtime/engine.py); False decodes each
-                     alone.
-    compile_kv_path: compile the KV path (decode, cached-prefix and chunk continuation) with ttftc and dynamic
-                     shapes; False keeps it eager (no compile time: tests, debugging).
-    warmup:          compile and run every graph once before the constructor returns, so no request pays for a
-                     compile (False: each graph compiles on the first request that needs it).
-    background_compile: return once the model is loaded, serve at once on the eager KV path, and compile the
-                     buckets and the KV path on a thread meanwhile, each switching over as it is ready
-                     (runtime/background.py); `warmup` is then not used. `ttftc serve` starts this way; the Python
-                     API waits by default, so that the first call already runs at full speed. `compile_status()`
-                     and the `on_progress` lines tell how far it got.
-    on_progress:     called with one line of text per bucket compiled (and for the KV path, and for failures), on
-                     whichever thread compiles; None: the lines only go to the `ttftc.runtime.background` logger.
-    kv_disk, kv_disk_bytes: a directory for the prefix cache's disk tier (runtime/kv_disk.py) and its byte budget:
-                     blocks evicted from RAM, and every block at close(), are kept there, found again after a
-                     restart, and loaded where loading measures faster than recomputing; None: no disk tier.
-    tenant:          the prefix-cache namespace of calls that name none (default: this LLM's own namespace, shared
-                     by all its unnamed calls); a per-call `tenant=` isolates, `tenant=PRIVATE` shares nothing.
+    The public surface, all a host (the HTTP app, a Ray replica) may use; everything else is private:
+
+    name, config:     the name it serves as; the ServingConfig it was built with.
+    generate, stream: run prompts to completion, or stream one prompt's deltas (in-process callers).
+    encode, encode_chat, check_length: a prompt's token ids, checked against the vocabulary; a ParamError when a
+                      prompt and its max_new_tokens do not fit the model's context.
+    open, cancel:     submit one request whose events go to a sink of the host's (a server's event loop), and feed
+                      them to the RequestOutput it returns; cancel a request by id.
+    estimate:         the TTFT (and queue drain) a request submitted now would see; nothing is queued.
+    geometry, tokenizer: the model's shape (vocab_size, max_positions, KV layout); its tokenizer or None.
+    stats, compile_status, notes: a snapshot for metrics and health (queue depths, KV tokens, bucketed prompts,
+                      prefix cache and disk tier, compile status, the cost model); how far compiling got; what the
+                      LLM chose not to do, and why.
+    warm, unpin:      prefill a prompt into the prefix cache and pin it there; hand a pin back.
+    close:            drain, stop the engine thread, persist the disk tier.
     """
 
-    def __init__(self, model_or_path: Union[str, Path, torch.nn.Module], *, precision: str = "auto",
-                 buckets: Optional[Sequence[int]] = SERVING_BUCKETS, prompt_cache=True,
-                 chunked_prefill: Optional[int] = DEFAULT_CHUNK_TOKENS, artifact: Optional[Union[str, Path]] = None,
-                 max_batch_tokens: int = DEFAULT_STEP_TOKENS, batch_window_ms: float = 2.0, max_running: int = 64,
-                 prefill_batch_sizes: Sequence[int] = (1, 2, 4, 8), prefill_batch_tokens: int = 512,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, tokenizer: Any = None,
-                 name: Optional[str] = None, compile_kv_path: bool = True, warmup: bool = True,
-                 batched_decode: bool = True, tenant: Tenant = None,
-                 kv_disk: Optional[Union[str, Path]] = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
-                 background_compile: bool = False, on_progress: Optional[Callable[[str], None]] = None,
-                 yield_chunk: Optional[int] = None):
-        if not isinstance(precision, str):
-            raise ValueError(f"precision must be a string such as 'auto', 'fp32' or 'bf16', got {precision!r}")
-        if chunked_prefill is not None and (not _is_int(chunked_prefill) or chunked_prefill < 1):
-            raise ValueError(
-                f"chunked_prefill must be a positive int (tokens per chunk) or None, got {chunked_prefill!r}")
-        if yield_chunk is not None and (not _is_int(yield_chunk) or yield_chunk < 1):
-            raise ValueError(f"yield_chunk must be a positive int (tokens per step) or None, got {yield_chunk!r}")
-        if not _is_int(max_batch_tokens) or max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
-        if not _is_number(batch_window_ms) or not 0 <= batch_window_ms < 60_000:
-            raise ValueError(f"batch_window_ms must be a number in [0, 60000), got {batch_window_ms!r}")
-        if not _is_int(prefill_batch_tokens) or prefill_batch_tokens < 1:
-            raise ValueError(f"prefill_batch_tokens must be a positive int, got {prefill_batch_tokens!r}")
+    # The names above: tests/serve/test_serving_boundary.py holds serve/ and fleet/ to them.
+    PUBLIC = frozenset({"name", "config", "generate", "stream", "encode", "encode_chat", "check_length", "open",
+                        "cancel", "estimate", "geometry", "tokenizer", "stats", "compile_status", "notes", "warm",
+                        "unpin", "close"})
 
-        self.tenant = _checked_tenant(tenant)
-        source = _ModelSource.resolve(model_or_path, artifact)
-        self.name = name or source.name
-        self.model = source.model
-        self.codec = PromptCodec(tokenizer if tokenizer is not None else source.tokenizer)
-        self.notes: list[str] = []
-        self.on_progress = on_progress
-        self._compiler: Optional[background.BackgroundCompile] = None
-        self._kv_backend: Optional[TtftcBackend] = None  # the compiled KV path's backend: its reports count its graphs
-        self._warmed = False  # every graph compiled (or loaded) before the constructor returned
-        in_background = bool(background_compile)
-        compile_buckets = in_background and source.artifact is None  # an artifact's graphs load in no time
-        prefill_model, batch_sizes = self._prefill_model(source, precision, buckets, prefill_batch_sizes,
-                                                         check_plan=not compile_buckets)
-        self._prefill = prefill_model
-        cache = self._prefix_cache(prompt_cache, prefix_cache_bytes, self._disk_tier(kv_disk, kv_disk_bytes, precision,
-                                                                                     prompt_cache))
-        kv_model = self._kv_model(precision) if compile_kv_path else self.model
-        # In the background mode the engine starts on the eager model with no bucket, and is handed each graph as
-        # it is compiled.
-        self.engine = PrefillEngine(self.model if in_background else kv_model, prefix_cache=cache,
-                                    chunk_size=chunked_prefill,
-                                    prefill_model=None if compile_buckets else prefill_model,
-                                    prefill_batch_sizes=batch_sizes, prefill_batch_tokens=prefill_batch_tokens,
-                                    batched_decode=batched_decode)
-        self.scheduler = StepScheduler(self.engine, max_batch_tokens, chunk_size=chunked_prefill,
-                                       batch_window_s=batch_window_ms / 1000.0, max_running=max_running,
-                                       yield_chunk=yield_chunk, cost_model=CostModel(paths=self._forward_paths()))
-        if cache is not None and cache.disk is not None and cache.recompute_seconds is None:
-            # A disk hit is loaded only where loading measures cheaper than the scheduler's fit of its forwards.
-            cache.recompute_seconds = self.scheduler.cost_model.prefill_s
-        self.eos_token_id = self.codec.eos_token_id
-        if self.eos_token_id is None:
-            self.eos_token_id = _config_eos(self.model)
-        if in_background:
-            self._compiler = background.BackgroundCompile(
-                self.engine, prefill=prefill_model if compile_buckets else None,
-                kv_model=kv_model if compile_kv_path else None,
-                expected_buckets=tuple(buckets or ()), on_progress=on_progress,
-                notes=self.notes)
-        elif warmup:
-            self._warm_up()
-            self._warmed = True
-        self.loop = EngineLoop(self.scheduler).start()
+    def __init__(self, model_or_path: Union[str, Path, torch.nn.Module], config: Optional[ServingConfig] = None, *,
+                 tokenizer: Any = None, prefix_cache: Optional[PrefixCache] = None,
+                 on_progress: Optional[Callable[[str], None]] = None, **settings):
+        config, prefix_cache = _config_of(config, prefix_cache, settings)
+        source_name, parts = build_parts(model_or_path, config, tokenizer=tokenizer, prefix_cache=prefix_cache,
+                                         on_progress=on_progress)
+        self.config = config
+        self.name = config.name or source_name
+        self.notes = parts.notes
+        self._parts = parts
+        self._model, self._codec = parts.model, parts.codec
+        self._engine, self._scheduler = parts.engine, parts.scheduler
+        self._compiler = parts.compiler
+        self._tenant = config.tenant
+        self._eos_token_id = parts.eos_token_id
         self._ids = itertools.count()
+        self._loop = EngineLoop(parts.scheduler).start()
         if self._compiler is not None:
             self._compiler.start()
 
-    # ---- construction ----------------------------------------------------------------------------------------------
+    # ---- what the model is -------------------------------------------------------------------------------------------
 
-    def _prefill_model(self, source: "_ModelSource", precision: str, buckets, batch_sizes, *, check_plan: bool = True):
-        """(the bucketed prefill model or None, its batch sizes). check_plan=False leaves the padding plan, a trace of
-        the model, to whoever compiles the buckets (the background compile does it off the start-up path)."""
-        if source.artifact is not None:
-            prefill = load_artifact(source.artifact)
-            signatures = prefill.source.specs  # the graphs the artifact holds, by signature
-            usable = sorted({s.batch for s in signatures if s.logits == "last" and s.kv})
-            if 1 not in usable:
-                raise ValueError(
-                    f"artifact {source.artifact} has no batch-1 graph with KV and last-token logits, which serving "
-                    "needs; rebuild it with `ttftc compile MODEL --logits last --batch 1 ...` (without --no-kv)"
-                )
-            return prefill, tuple(b for b in usable if b in set(batch_sizes) | {1})
-        if buckets is None:
-            self.notes.append("no buckets: every prefill runs on the KV path (eager)")
-            return None, (1,)
-        prefill = ttftc_compile(self.model, Config(buckets=tuple(buckets), precision=precision))
-        if check_plan and not prefill.plan.safe:
-            self.notes.append(f"buckets not used: {prefill.plan.reason}")
-            return None, (1,)
-        return prefill, tuple(batch_sizes)
+    @property
+    def geometry(self) -> ModelGeometry:
+        return self._engine.geometry
 
-    def _kv_model(self, precision: str):
-        # Dynamic from the first call: prompt and KV lengths vary on every call of this path. Its graphs are traced
-        # by Dynamo in every process: the compile cache holds fixed-shape graphs only (compile_status counts them).
-        self._kv_backend = TtftcBackend(Config(precision=precision))
-        return torch.compile(self.model, backend=self._kv_backend, dynamic=True)
+    @property
+    def tokenizer(self) -> Any:
+        return self._codec.tokenizer
 
-    def _forward_paths(self) -> ForwardPaths:
-        """The paths the TTFT estimate fits apart (runtime/ttft_estimate.py, ForwardPaths): a bucket's graph or the
-        KV path (eager or compiled), each while the background compile shares the CPU, and once it is done."""
-
-        def state() -> str:
-            compiler = self._compiler
-            return "compiling" if compiler is not None and not compiler.done.is_set() else "warm"
-
-        def kv_path() -> tuple:
-            return "kv", "eager" if self.engine.model is self.model else "compiled", state()
-
-        def prefill(n: int, ctx: int) -> tuple:
-            if self.engine.bucket_for(_Stretch(cold=ctx == 0), n) is not None:
-                return "bucket", state()
-            return kv_path()
-
-        return ForwardPaths(prefill=prefill, decode=kv_path, volatile=lambda path: path[-1] == "compiling")
-
-    def _disk_tier(self, directory, budget_bytes: int, precision: str, prompt_cache) -> Optional[KVDiskTier]:
-        if directory is None:
-            return None
-        if prompt_cache is not True:
-            raise ValueError("kv_disk needs prompt_cache=True: the disk tier extends the prefix cache LLM builds "
-                             "(give a PrefixCache of your own its disk= instead)")
-        geometry = ModelGeometry.of(self.model)
-        shape = (geometry.num_layers, 2, geometry.kv_heads, DEFAULT_BLOCK_SIZE, geometry.head_dim)
-        key = kv_model_key(self.model, f"precision={precision}", f"ttftc={TTFTC_VERSION}")
-        return KVDiskTier(directory, budget_bytes, model_key=key, dtype=geometry.dtype, block_shape=shape)
-
-    def _prefix_cache(self, prompt_cache, budget_bytes: int, disk: Optional[KVDiskTier] = None):
-        if isinstance(prompt_cache, PrefixCache):
-            return prompt_cache
-        if prompt_cache is True:
-            return PrefixCache(budget_bytes=budget_bytes, disk=disk)
-        if prompt_cache in (False, None):
-            return None
-        raise ValueError(f"prompt_cache must be True, False or a ttftc.runtime.PrefixCache, got {prompt_cache!r}")
-
-    def _warm_up(self) -> None:
-        """Compile (or load) every graph serving can use and run each once, so no request pays for it."""
-        engine = self.engine
-        prefill = engine.prefill_model
-        try:
-            for bucket in prefill.buckets if prefill is not None else ():
-                started, compiled_before = time.perf_counter(), prefill.graphs_compiled
-                for batch in engine.batch_sizes_for(bucket):
-                    background.compile_graph(prefill, bucket, batch)
-                how = background.ready_how(prefill.graphs_compiled - compiled_before)
-                self._progress(f"bucket {bucket} {how} in {time.perf_counter() - started:.1f} s")
-        except Exception as exc:  # serve on the KV path rather than not at all, and say so
-            note = f"bucketed prefill disabled, every prompt runs on the KV path: {type(exc).__name__}: {exc}"
-            self.notes.append(note)
-            warnings.warn(f"ttftc.LLM: {note}", stacklevel=3)
-            engine.prefill_model = None
-        started = time.perf_counter()
-        background.warm_kv_path(engine)
-        background.warm_batched_decode(engine)
-        done = "compiled" if engine.model is not self.model else "warmed up (eager)"
-        self._progress(f"KV path {done} in {time.perf_counter() - started:.1f} s")
-
-    def _progress(self, line: str) -> None:
-        if self.on_progress is not None:
-            self.on_progress(line)
+    @property
+    def _prefix_cache(self) -> Optional[PrefixCache]:
+        return self._engine.prefix_cache
 
     def compile_status(self) -> dict:
         """How far compiling got: buckets compiled, failed and still compiling, and the KV path's state ("eager":
@@ -463,42 +303,19 @@ class LLM:
         `warm`: every graph serving will use is ready (with warmup=False, graphs compile on first use: never warm
         unless there is nothing to compile). `graphs_compiled`, `graphs_loaded`: graphs this process compiled, and
         loaded from the compile cache instead, since it started."""
-        counts = self._graph_counts()
-        compiler = self._compiler
-        if compiler is None:
-            prefill = self.engine.prefill_model
-            count = len(prefill.buckets) if prefill is not None else 0
-            compiled_kv = self.engine.model is not self.model
-            nothing_to_compile = prefill is None and not compiled_kv
-            return {"buckets_total": count, "buckets_compiled": count, "buckets_failed": 0, "buckets_compiling": 0,
-                    "kv_path": "ready" if compiled_kv else "eager", "background": False,
-                    "warm": self._warmed or nothing_to_compile, **counts}
-        return {"buckets_total": compiler.buckets_total, "buckets_compiled": compiler.buckets_compiled,
-                "buckets_failed": compiler.buckets_failed, "buckets_compiling": compiler.compiling,
-                "kv_path": compiler.kv_path, "background": True, "warm": compiler.warm, **counts}
-
-    def _graph_counts(self) -> dict:
-        # The bucketed prefill model outlives its use by the engine (a failed plan drops it from the engine only).
-        prefill = self._prefill
-        kv_graphs = len(self._kv_backend.reports) if self._kv_backend is not None else 0
-        return {"graphs_compiled": (prefill.graphs_compiled if prefill is not None else 0) + kv_graphs,
-                "graphs_loaded": prefill.graphs_loaded if prefill is not None else 0}
+        return self._parts.compile_status()
 
     # ---- requests ----------------------------------------------------------------------------------------------------
 
-    @property
-    def max_positions(self) -> Optional[int]:
-        return self.engine.geometry.max_positions
-
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt (through the tokenizer) or of a list of ids, checked against the vocabulary."""
-        return self.engine.validate(self.codec.encode(prompt))
+        return self._engine.validate(self._codec.encode(prompt))
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
-        return self.engine.validate(self.codec.encode_chat(messages))
+        return self._engine.validate(self._codec.encode_chat(messages))
 
     def check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-        limit = self.max_positions
+        limit = self.geometry.max_positions
         if limit is not None and len(prompt_ids) + max_new_tokens > limit:
             raise ParamError(
                 "max_tokens",
@@ -507,25 +324,33 @@ class LLM:
                 "generate): shorten the prompt or lower max_tokens",
             )
 
+    def estimate(self, prompt_ids: Sequence[int], *, tenant: Tenant = None, priority: int = 0,
+                 max_new_tokens: int = 1) -> TTFTEstimate:
+        """How long from now until a request for `prompt_ids` (ids from `encode`) submitted now would get its first
+        token (`.ttft_s`), and until the queue with it would drain (`.drain_s`): runtime/ttft_estimate.py. Nothing
+        is queued."""
+        tenant = self._tenant if tenant is None else _checked_tenant(tenant)
+        return self._loop.estimate(prompt_ids, tenant=tenant, priority=priority, max_new_tokens=max_new_tokens)
+
     def open(self, prompt_ids: Sequence[int], params: GenerationParams, sink, *, tenant: Tenant = None,
              priority: int = 0, arrived_at: Optional[float] = None) -> RequestOutput:
         """Submit one request whose events go to `sink` (called on the engine thread); feed those events to the
         returned RequestOutput on your own thread. `arrived_at` is on `time.perf_counter`'s clock; `tenant=None`
         is this LLM's namespace; a lower `priority` is prefilled sooner (ttftc.runtime.scheduler says how)."""
-        tenant = self.tenant if tenant is None else _checked_tenant(tenant)
+        tenant = self._tenant if tenant is None else _checked_tenant(tenant)
         priority = checked_priority(priority)
-        ids = self.engine.validate(prompt_ids)
+        ids = self._engine.validate(prompt_ids)
         self.check_length(ids, params.max_new_tokens)
         request = Request(ids, max_new_tokens=params.max_new_tokens, tenant=tenant, sampling=params.sampling(),
-                          eos_token_id=None if params.ignore_eos else self.eos_token_id,
+                          eos_token_id=None if params.ignore_eos else self._eos_token_id,
                           request_id=f"{self.name}-{next(self._ids)}", stop_token_ids=params.stop_token_ids,
                           priority=priority)
         output = RequestOutput(self, request.request_id, len(ids), params)
-        self.loop.submit(request, sink, arrived_at=arrived_at)
+        self._loop.submit(request, sink, arrived_at=arrived_at)
         return output
 
     def cancel(self, request_id: Hashable) -> None:
-        self.loop.cancel(request_id)
+        self._loop.cancel(request_id)
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], *, max_new_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: Optional[int] = None, seed: Optional[int] = None,
@@ -572,19 +397,60 @@ class LLM:
         except queue.Empty:
             raise TimeoutError("the request did not finish in time") from None
 
+    # ---- warm prompts ------------------------------------------------------------------------------------------------
+
+    def warm(self, prompt_ids: Sequence[int], *, tenant: Tenant = None,
+             timeout_s: Optional[float] = None) -> CacheLease:
+        """Prefill `prompt_ids` into the prefix cache (in `tenant`'s namespace; None: this LLM's) and pin its full
+        blocks there: they count against the cache's budget and are never evicted until `unpin(pin)`, so a request
+        that starts with the prompt is served from the cache. A ValueError (nothing pinned) without a prefix cache,
+        for a PRIVATE tenant, or when the cache could not hold every block; a RuntimeError if the prefill failed."""
+        cache = self._prefix_cache
+        if cache is None:
+            raise ValueError("warming a prompt needs the prefix cache; this LLM has none (prompt_cache=False)")
+        tenant = self._tenant if tenant is None else _checked_tenant(tenant)
+        (done,) = self.generate([list(prompt_ids)], max_new_tokens=1, ignore_eos=True, tenant=tenant,
+                                timeout_s=timeout_s)
+        if done.finish_reason == "error":
+            raise RuntimeError(done.error or "the prefill failed")
+        return cache.pin(prompt_ids, tenant=tenant)
+
+    def unpin(self, pin: CacheLease) -> None:
+        """Hand a pin from `warm` back: its blocks become ordinary cached blocks, evictable again."""
+        cache = self._prefix_cache
+        if cache is None:
+            raise ValueError("this LLM has no prefix cache, so it holds no pin")
+        cache.unpin(pin)
+
     # ---- state and lifetime ------------------------------------------------------------------------------------------
 
-    @property
-    def prefix_cache(self):
-        return self.engine.prefix_cache
-
     def stats(self) -> dict:
-        cache = self.prefix_cache
+        """A snapshot for a host's metrics and health checks, taken on the host's thread while the engine runs:
+
+        running, waiting, kv_tokens: sequences in prefill or decode, requests not yet admitted, KV tokens they hold.
+        prefix_cache_bytes: KV bytes the prefix cache holds (0 without one); prefix_cache: its PrefixCacheStats, or
+        None; disk: the disk tier's blocks, bytes, stored, loaded, declined and refused counts, or None.
+        bucketed_prompts: prompts whose first stretch ran in a bucketed graph, since start.
+        compile: compile_status(); cost_model: the TTFT cost model's terms (runtime/ttft_estimate.py)."""
+        cache = self._prefix_cache
+        cached = cache.stats() if cache is not None else None
+        disk = None
+        if cache is not None and cache.disk is not None:
+            tier = cache.disk.stats()
+            disk = {"blocks": tier.blocks, "bytes": tier.bytes, "stored": tier.stored,
+                    "loaded": cached.disk_loaded_blocks, "declined": cached.disk_declined_blocks,
+                    "refused": tier.refused}
+        loop = self._loop
         return {
-            "running": self.loop.running,
-            "waiting": self.loop.waiting,
-            "kv_tokens": self.loop.kv_tokens,
-            "prefix_cache_bytes": cache.stats().bytes_held if cache is not None else 0,
+            "running": loop.running,
+            "waiting": loop.waiting,
+            "kv_tokens": loop.kv_tokens,
+            "prefix_cache_bytes": cached.bytes_held if cached is not None else 0,
+            "prefix_cache": cached,
+            "disk": disk,
+            "bucketed_prompts": self._engine.bucketed_prompts,
+            "compile": self.compile_status(),
+            "cost_model": self._scheduler.cost_model.coefficients(),
         }
 
     def close(self, drain_timeout_s: float = 30.0) -> int:
@@ -592,7 +458,7 @@ class LLM:
         Returns how many were cancelled. With a disk tier, every cached block is written there, for the next start."""
         if self._compiler is not None:
             self._compiler.stop(timeout_s=0)  # no new graph from now on
-        cancelled = self.loop.close(drain_timeout_s)
+        cancelled = self._loop.close(drain_timeout_s)
         compiler = self._compiler
         if compiler is not None and not compiler.stop(timeout_s=drain_timeout_s):
             # A process that exits while a thread is inside a compile aborts in C++ (std::terminate): wait for the
@@ -602,8 +468,8 @@ class LLM:
             if not compiler.stop(timeout_s=COMPILE_STOP_TIMEOUT_S):
                 warnings.warn("ttftc.LLM.close: the background compile did not finish its graph in "
                               f"{COMPILE_STOP_TIMEOUT_S} s; closing without it", stacklevel=2)
-        if self.prefix_cache is not None:
-            self.prefix_cache.persist()
+        if self._prefix_cache is not None:
+            self._prefix_cache.persist()
         return cancelled
 
     def __enter__(self) -> "LLM":
@@ -613,63 +479,35 @@ class LLM:
         self.close()
 
 
+def _config_of(config: Optional[ServingConfig], prefix_cache: Optional[PrefixCache],
+               settings: dict) -> tuple[ServingConfig, Optional[PrefixCache]]:
+    """The ServingConfig (and a PrefixCache of the caller's own, if any) from LLM's arguments: a config, or its fields
+    as keywords (the convenience form)."""
+    if config is not None and not isinstance(config, ServingConfig):
+        raise TypeError(f"LLM's second argument is a ttftc.llm.ServingConfig, got {type(config).__name__}: give "
+                        "settings as keywords (LLM(model, precision=...)) or as config=ServingConfig(...)")
+    if not settings:
+        return config if config is not None else ServingConfig(), prefix_cache
+    if config is not None:
+        raise TypeError(f"LLM got config= and settings as keywords ({', '.join(sorted(settings))}): give one, e.g. "
+                        "config=dataclasses.replace(config, ...)")
+    unknown = sorted(set(settings) - ServingConfig.field_names() - {"prompt_cache"})
+    if unknown:
+        raise TypeError(f"LLM got an unknown setting {unknown[0]!r}; the settings are ServingConfig's fields: "
+                        f"{', '.join(sorted(ServingConfig.field_names()))}")
+    settings = dict(settings)
+    if isinstance(settings.get("prompt_cache"), PrefixCache):  # the keyword form's way to give a cache of your own
+        if prefix_cache is not None:
+            raise TypeError("LLM got a PrefixCache as prompt_cache= and as prefix_cache=: give one")
+        prefix_cache, settings["prompt_cache"] = settings["prompt_cache"], True
+    elif settings.get("prompt_cache", True) is None:
+        settings["prompt_cache"] = False
+    if "prompt_cache" in settings and not isinstance(settings["prompt_cache"], bool):
+        raise ValueError(f"prompt_cache must be True, False or a ttftc.runtime.PrefixCache, got "
+                         f"{settings['prompt_cache']!r}")
+    return ServingConfig(**settings), prefix_cache
+
+
 def _is_single_prompt(prompts) -> bool:
     return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
                                         and all(_is_int(t) for t in prompts))
-
-
-def _config_eos(model: torch.nn.Module) -> Optional[int]:
-    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(config, "eos_token_id", None)
-        if isinstance(eos, int):
-            return eos
-        if isinstance(eos, (list, tuple)) and eos:
-            return int(eos[0])
-    return None
-
-
-@dataclass(frozen=True)
-class _Stretch:
-    """What PrefillEngine.bucket_for reads of a job: whether its KV is empty (no cached prefix, no earlier chunk)."""
-
-    cold: bool
-
-
-@dataclass
-class _ModelSource:
-    """Where the weights come from: the eager model (KV path), its tokenizer, and an artifact directory if any."""
-
-    model: torch.nn.Module
-    name: str
-    tokenizer: Any = None
-    artifact: Optional[Path] = None
-
-    @classmethod
-    def resolve(cls, model_or_path, artifact) -> "_ModelSource":
-        if artifact is None and isinstance(model_or_path, (str, Path)) and (Path(model_or_path) / MANIFEST).is_file():
-            artifact, model_or_path = model_or_path, None
-        if artifact is not None:
-            artifact = Path(artifact)
-            if model_or_path is None:
-                recorded = (read_manifest(artifact).get("source") or {}).get("model")
-                if not recorded:
-                    raise ValueError(
-                        f"artifact {artifact} does not record its source model, which serving needs for decoding; "
-                        "pass the model too: LLM(model, artifact=...) or `ttftc serve MODEL --artifact DIR`"
-                    )
-                model_or_path = recorded
-            source = cls.resolve(model_or_path, None)
-            source.artifact = artifact
-            source.name = artifact.name
-            return source
-        if isinstance(model_or_path, torch.nn.Module):
-            if getattr(model_or_path, "config", None) is None:
-                raise TypeError("LLM needs a transformers causal LM (a module with a .config)")
-            return cls(model_or_path.eval(), type(model_or_path).__name__)
-        if not isinstance(model_or_path, (str, Path)):
-            raise TypeError(f"LLM takes a model, a preset name or a directory, got {type(model_or_path).__name__}")
-        spec = resolve_model(str(model_or_path))  # a ModelInputError, a ValueError, names what is wrong
-        model = load_model(spec)
-        if spec.is_preset:
-            return cls(model, spec.name)
-        return cls(model, Path(spec.directory).name, load_tokenizer(spec.directory))

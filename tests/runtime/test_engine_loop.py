@@ -22,7 +22,7 @@ def llm():
 
 
 def test_an_estimate_during_admission_counts_the_request_being_admitted(llm, monkeypatch):
-    engine = llm.engine
+    engine = llm._engine
     entered, release = threading.Event(), threading.Event()
     start = engine.start
 
@@ -37,7 +37,7 @@ def test_an_estimate_during_admission_counts_the_request_being_admitted(llm, mon
              lambda event: None, tenant=PRIVATE, priority=-1)
     try:
         assert entered.wait(TIMEOUT_S), "the engine thread never took the request in"
-        estimate = llm.loop.estimate([1, 2, 3], tenant=PRIVATE, priority=0)
+        estimate = llm.estimate([1, 2, 3], tenant=PRIVATE, priority=0)
         assert estimate.ahead_tokens > 0, estimate  # without it in the queue, nothing is ahead
     finally:
         release.set()

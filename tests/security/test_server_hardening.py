@@ -39,7 +39,7 @@ def llm():
     # A bucket, so that prompts arriving together share a padded prefill; an eager KV path (see tests/serve).
     llm = ttftc.LLM("tiny", precision="fp32", buckets=(64,), chunked_prefill=32, max_batch_tokens=256,
                     compile_kv_path=False)
-    assert llm.engine.prefill_model is not None, llm.notes
+    assert llm._engine.prefill_model is not None, llm.notes
     yield llm
     llm.close(drain_timeout_s=5)
 
@@ -191,9 +191,10 @@ def test_clients_that_hang_up_leave_nothing_running_within_2_s(llm, server, stre
 def test_a_bad_seed_fails_only_its_own_row_of_a_shared_prefill(llm, monkeypatch):
     # LLM-level, past the HTTP validation: the scheduler must isolate whatever one row of a batch raises.
     shared = []
-    real = llm.engine.prefill_together
-    monkeypatch.setattr(llm.engine, "prefill_together", lambda work, **kw: shared.append(len(work)) or real(work, **kw))
-    monkeypatch.setattr(llm.scheduler, "batch_window_s", 0.5)  # the five arrive in one window
+    real = llm._engine.prefill_together
+    engine = llm._engine
+    monkeypatch.setattr(engine, "prefill_together", lambda work, **kw: shared.append(len(work)) or real(work, **kw))
+    monkeypatch.setattr(llm._scheduler, "batch_window_s", 0.5)  # the five arrive in one window
     lengths, bad = (10, 12, 14, 16, 18), 2  # the bad row is in the middle of the batch
     events: queue.Queue = queue.Queue()
     with pytest.raises(ParamError, match="seed must be null or an integer from"):
@@ -542,4 +543,4 @@ def test_a_drain_that_cuts_a_stream_off_counts_it_and_the_client_reads_why(llm):
     served = app.state.served
     assert served.cut_off == 1 and not served.flights
     assert metric(served.metrics.render().decode(), "ttftc_requests_total", 'finish_reason="cut_off"') == 1
-    wait_until(lambda: llm.loop.running == 0, timeout_s=TIMEOUT_S, what="the cut request to leave the engine")
+    wait_until(lambda: llm._loop.running == 0, timeout_s=TIMEOUT_S, what="the cut request to leave the engine")

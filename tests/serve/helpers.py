@@ -55,11 +55,11 @@ def metric(text: str, name: str, labels: str = "") -> float:
 def submitted_priorities(monkeypatch, llm) -> list:
     """The priority of each request `llm` queues from now on (until the test ends), in order."""
     priorities: list = []
-    submit = llm.loop.submit
+    submit = llm._loop.submit
 
     def spy(request, *args, **kwargs):
         priorities.append(request.priority)
         return submit(request, *args, **kwargs)
 
-    monkeypatch.setattr(llm.loop, "submit", spy)
+    monkeypatch.setattr(llm._loop, "submit", spy)
     return priorities

@@ -47,13 +47,13 @@ def gate(served, monkeypatch):
     """Closed: the engine thread waits before its next step (a busy engine); `gate.set()` lets it go."""
     llm, _ = served
     event = threading.Event()
-    step = llm.loop._step
+    step = llm._loop._step
 
     def held_step():
         event.wait(TIMEOUT_S)
         step()
 
-    monkeypatch.setattr(llm.loop, "_step", held_step)
+    monkeypatch.setattr(llm._loop, "_step", held_step)
     yield event
     event.set()
     wait_until(lambda: llm.stats()["running"] == 0 and llm.stats()["waiting"] == 0, what="the engine to go idle")
@@ -93,14 +93,14 @@ def test_a_tenants_priority_is_the_best_of_its_range_and_a_request_outside_it_ge
 def test_under_a_busy_engine_requests_get_their_first_token_in_priority_order(served, gate):
     llm, server = served
     requests = []
-    submit = llm.loop.submit
+    submit = llm._loop.submit
 
     def spy(request, *args, **kwargs):
         requests.append(request)
         return submit(request, *args, **kwargs)
 
     first_tokens = []
-    on_token = llm.scheduler.on_token
+    on_token = llm._scheduler.on_token
 
     def record(request_id, token):
         if request_id not in first_tokens:
@@ -132,12 +132,12 @@ def test_under_a_busy_engine_requests_get_their_first_token_in_priority_order(se
             await aclient.close()
 
     try:
-        llm.loop.submit = spy
-        llm.scheduler.on_token = record
+        llm._loop.submit = spy
+        llm._scheduler.on_token = record
         asyncio.run(run())
     finally:
-        llm.loop.submit = submit
-        llm.scheduler.on_token = on_token
+        llm._loop.submit = submit
+        llm._scheduler.on_token = on_token
     # The held step had not planned its prefills yet: the arrivals join it (the scheduler's intake), so all four
     # go by priority, and the blocker leads the other priority-0 request, which arrived after it.
     priority = {r.request_id: r.priority for r in requests}
@@ -178,9 +178,9 @@ def test_overload_gets_429_with_the_estimate_and_retry_after_and_less_important_
     # Work of a better priority than every request below, queued behind the held step: about 16k prompt tokens.
     queued = [llm.open(ids(4000, 40 + k), params, lambda event: None, tenant=PRIVATE, priority=-5)
               for k in range(4)]
-    wait_until(lambda: llm.loop.waiting + llm.loop.running >= 4, what="the queue to fill")
+    wait_until(lambda: llm._loop.waiting + llm._loop.running >= 4, what="the queue to fill")
     short = ids(8, 99)
-    estimate = llm.loop.estimate(short, tenant=PRIVATE, priority=0, max_new_tokens=2)
+    estimate = llm.estimate(short, tenant=PRIVATE, priority=0, max_new_tokens=2)
     assert estimate.ttft_s > 0.05 and estimate.drain_s >= estimate.ttft_s
     served_app = server.app.state.served
     # An SLO at the estimate itself: priority 0 is admitted up to 1.2x it, priority 1 (shed first) only to 0.8x.

@@ -96,20 +96,20 @@ def test_serves_while_compiling_then_each_bucket_switches_over(monkeypatch):
         text = scrape(server)
         assert metric(text, "ttftc_buckets_compiling") == 2 and metric(text, "ttftc_buckets_compiled") == 0
         short, longer = prompt(20, seed=1), prompt(50, seed=2)
-        paths = llm.scheduler.cost_model.paths  # what the TTFT estimate fits apart
+        paths = llm._scheduler.cost_model.paths  # what the TTFT estimate fits apart
         assert paths.prefill(20, 0) == ("kv", "eager", "compiling") and paths.volatile(paths.prefill(20, 0))
         eager_short, eager_longer = complete(client, short), complete(client, longer)
-        assert llm.engine.bucketed_prompts == 0 and metric(scrape(server), "ttftc_bucketed_prefill_prompts") == 0
+        assert llm._engine.bucketed_prompts == 0 and metric(scrape(server), "ttftc_bucketed_prefill_prompts") == 0
 
         gates.open(32)
         wait_until(lambda: lines, GATE_TIMEOUT_S, "bucket 32's progress line")
         assert re.fullmatch(r"bucket 32 (compiled|loaded) in \d+\.\d s \(1/2\)", lines[0]), lines
         assert complete(client, short) == eager_short
-        assert llm.engine.bucketed_prompts == 1, "a prompt of bucket 32 runs in its graph once it is compiled"
+        assert llm._engine.bucketed_prompts == 1, "a prompt of bucket 32 runs in its graph once it is compiled"
         assert paths.prefill(20, 0) == ("bucket", "compiling") and paths.prefill(50, 0)[0] == "kv"
         assert paths.prefill(20, 4)[0] == "kv", "a prompt with a cached prefix runs on the KV path"
         assert complete(client, longer) == eager_longer
-        assert llm.engine.bucketed_prompts == 1, "bucket 64 is still compiling: its prompt took the KV path"
+        assert llm._engine.bucketed_prompts == 1, "bucket 64 is still compiling: its prompt took the KV path"
         text = scrape(server)
         assert metric(text, "ttftc_buckets_compiling") == 1 and metric(text, "ttftc_buckets_compiled") == 1
         assert metric(text, "ttftc_bucketed_prefill_prompts") == 1
@@ -119,7 +119,7 @@ def test_serves_while_compiling_then_each_bucket_switches_over(monkeypatch):
         assert llm._compiler.done.wait(GATE_TIMEOUT_S), "the compile ends"
         assert re.fullmatch(r"bucket 64 (compiled|loaded) in \d+\.\d s \(2/2\)", lines[1]), lines
         assert re.fullmatch(r"bucket 32 batch sizes 2 (compiled|loaded) in \d+\.\d s", lines[2]), lines
-        assert complete(client, longer) == eager_longer and llm.engine.bucketed_prompts == 2
+        assert complete(client, longer) == eager_longer and llm._engine.bucketed_prompts == 2
         text = scrape(server)
         assert metric(text, "ttftc_buckets_compiling") == 0 and metric(text, "ttftc_buckets_compiled") == 2
         assert metric(text, "ttftc_buckets_failed") == 0 and metric(text, "ttftc_kv_path_compiled") == 0
@@ -128,7 +128,7 @@ def test_serves_while_compiling_then_each_bucket_switches_over(monkeypatch):
         assert metric(text, "ttftc_graph_compiles_total") + metric(text, "ttftc_graph_cache_loads_total") == 3
         # every bucket's batch-1 graph first (it makes the bucket usable), then the batched ones
         assert gates.started == [(32, 1), (64, 1), (32, 2)], "64 x 2 is over the 64-token batch cap"
-        assert llm.engine.ready_batches == {32: (2, 1), 64: (1,)}
+        assert llm._engine.ready_batches == {32: (2, 1), 64: (1,)}
     finally:
         stop(gates, llm, server)
 
@@ -144,8 +144,8 @@ def test_a_failed_bucket_compile_keeps_the_server_serving(monkeypatch):
         text = scrape(server)
         assert metric(text, "ttftc_buckets_failed") == 1 and metric(text, "ttftc_buckets_compiled") == 1
         assert len(complete(client, prompt(20))) == 4, "bucket 32's prompts run on the KV path"
-        assert llm.engine.bucketed_prompts == 0
-        assert len(complete(client, prompt(50))) == 4 and llm.engine.bucketed_prompts == 1
+        assert llm._engine.bucketed_prompts == 0
+        assert len(complete(client, prompt(50))) == 4 and llm._engine.bucketed_prompts == 1
         assert get(server.url + "/health")[0] == 200
     finally:
         stop(gates, llm, server)
@@ -159,7 +159,7 @@ def test_shutdown_while_a_bucket_compiles_waits_for_that_graph_and_starts_no_oth
     with pytest.warns(UserWarning, match="waiting for the background compile") as record:
         closer.start()
         wait_until(lambda: len(record), TIMEOUT_S, "close to wait for the compile")
-        assert not llm.loop._thread.is_alive(), "the engine stopped first"
+        assert not llm._loop._thread.is_alive(), "the engine stopped first"
         assert closer.is_alive(), "close waits for the graph in hand (a process exiting mid-compile aborts)"
         gates.open_all()
         closer.join(TIMEOUT_S)

@@ -30,8 +30,8 @@ def test_a_text_prompt_streams_text_that_equals_generate(served):
                                             extra_body={"ignore_eos": True}))
     (expected,) = llm.generate(text, max_new_tokens=6, ignore_eos=True)
     assert "".join(c.choices[0].text for c in chunks) == expected.text
-    assert expected.text.split() == [llm.codec.tokenizer.decode([t]) for t in expected.token_ids]
-    assert llm.encode(text) == [llm.codec.tokenizer.convert_tokens_to_ids(w) for w in text.split()]
+    assert expected.text.split() == [llm.tokenizer.decode([t]) for t in expected.token_ids]
+    assert llm.encode(text) == [llm.tokenizer.convert_tokens_to_ids(w) for w in text.split()]
 
 
 def test_chat_uses_the_tokenizers_template_and_streams_role_with_the_first_token(served):

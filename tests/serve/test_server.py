@@ -23,7 +23,7 @@ def served():
     # time (tests/test_llm.py covers the compiled KV path).
     llm = ttftc.LLM("tiny", precision="fp32", buckets=(64,), prefill_batch_sizes=(1, 2, 4), chunked_prefill=32,
                     max_batch_tokens=256, batch_window_ms=2.0, compile_kv_path=False)
-    assert llm.engine.prefill_model is not None, llm.notes  # the bucketed path is under test too
+    assert llm._engine.prefill_model is not None, llm.notes  # the bucketed path is under test too
     server = BackgroundServer(create_app(llm, tenant_header="X-Tenant")).start()
     yield llm, server
     server.stop()
@@ -229,8 +229,8 @@ def test_a_disconnect_during_batched_decodes_frees_its_slot_and_the_other_stream
     ids = [prompt(20 + 5 * i, seed=20 + i) for i in range(3)]
     expected = [c.token_ids for c in llm.generate(ids, max_new_tokens=40, ignore_eos=True)]
     calls = []
-    real = llm.engine.decode_batch
-    llm.engine.decode_batch = lambda rows: calls.append(len(rows)) or real(rows)
+    real = llm._engine.decode_batch
+    llm._engine.decode_batch = lambda rows: calls.append(len(rows)) or real(rows)
     try:
         async def run():
             aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="test", max_retries=0, timeout=TIMEOUT_S)
@@ -256,7 +256,7 @@ def test_a_disconnect_during_batched_decodes_frees_its_slot_and_the_other_stream
 
         got = asyncio.run(run())
     finally:
-        llm.engine.decode_batch = real
+        llm._engine.decode_batch = real
     assert [got[0], got[2], got[3]] == expected
     assert max(calls) >= 3, "the streams decoded together"
     wait_until(lambda: llm.stats()["running"] == 0 and llm.stats()["kv_tokens"] == 0, what="every slot to be freed")

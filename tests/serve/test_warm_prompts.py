@@ -56,18 +56,18 @@ def test_a_warm_prompt_is_hit_by_its_tenants_first_request_and_shown_in_metrics(
             assert metric(text, "ttftc_prefix_cache_pinned_tokens") == 16 * 3
     finally:
         app.state.served.warmed.unpin(llm)
-    assert llm.prefix_cache.stats().pinned_blocks == 0
+    assert llm._prefix_cache.stats().pinned_blocks == 0
 
 
 def test_a_warm_prompt_outlives_lru_pressure(llm):
-    block = llm.prefix_cache.block_bytes
+    block = llm._prefix_cache.block_bytes
     llm = ttftc.LLM("tiny", precision="fp32", buckets=None, compile_kv_path=False, prefix_cache_bytes=6 * block,
                     warmup=False)
     try:
         warmed = warm_prompts(llm, [WarmPrompt(tuple(SYSTEM), "acme")], require_tenant=True)
         for k in range(8):  # traffic of 8 x 4 blocks through a cache of 6: everything else is evicted
             llm.generate([[(k * 31 + i) % 500 for i in range(65)]], max_new_tokens=1, tenant="acme")
-        assert llm.prefix_cache.stats().evicted_blocks > 0
+        assert llm._prefix_cache.stats().evicted_blocks > 0
         (again,) = llm.generate([SYSTEM + [3]], max_new_tokens=1, tenant="acme")
         assert again.cached_tokens == 32
         warmed.unpin(llm)
@@ -76,14 +76,14 @@ def test_a_warm_prompt_outlives_lru_pressure(llm):
 
 
 def test_pins_that_alone_exceed_the_cache_are_refused_at_startup_with_nothing_pinned(llm):
-    block = llm.prefix_cache.block_bytes
+    block = llm._prefix_cache.block_bytes
     llm = ttftc.LLM("tiny", precision="fp32", buckets=None, compile_kv_path=False, prefix_cache_bytes=3 * block,
                     warmup=False)
     try:
         prompts = [WarmPrompt(tuple(SYSTEM), "acme", "f:1"), WarmPrompt(tuple(SYSTEM), "beta", "f:2")]  # 4 blocks
         with pytest.raises(WarmPromptsError, match=r"pin 4 cache blocks .* more than the prefix cache's budget"):
             create_app(llm, tenant_header="X-Tenant", warm=prompts)
-        stats = llm.prefix_cache.stats()
+        stats = llm._prefix_cache.stats()
         assert stats.pinned_blocks == 0 and stats.blocks_held == 0, "refused before anything was prefilled"
     finally:
         llm.close()
@@ -101,7 +101,7 @@ def test_a_prompt_that_cannot_be_served_is_refused_with_its_line_and_nothing_pin
     assert "w.jsonl:3: 3 tokens, less than one prefix-cache block" in message
     assert "w.jsonl:4: token id 512 is outside the vocabulary" in message
     assert "w.jsonl:5: no tenant" in message
-    assert llm.prefix_cache.stats().pinned_blocks == 0
+    assert llm._prefix_cache.stats().pinned_blocks == 0
     with pytest.raises(ValueError, match="warm prompts need a tenant header"):
         create_app(llm, warm=prompts[:1])
 

@@ -27,7 +27,7 @@ from ttftc.serve.server import BackgroundServer
 
 
 def measure(llm: LLM, prompt_len: int, repeats: int, seed: int = 0) -> dict:
-    vocab = llm.engine.geometry.vocab_size
+    vocab = llm.geometry.vocab_size
     generator = torch.Generator().manual_seed(seed)
 
     def fresh() -> list[int]:

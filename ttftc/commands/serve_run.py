@@ -16,6 +16,7 @@ from ttftc.commands.serve import NO_BUCKETS
 from ttftc.serve.policy import PriorityFileError, PriorityRange, ServingPolicy, read_priority_file
 from ttftc.serve.timeouts import HTTPTimeouts
 from ttftc.serve.warm import WarmPromptsError, read_warm_prompts
+from ttftc.serving_config import ServingConfig
 
 
 def run(args) -> int:
@@ -55,10 +56,15 @@ def run(args) -> int:
                                **({} if default is None else {"default_priorities": default}))
     except ValueError as exc:
         raise UsageError(f"--priority-file: {exc}" if args.priority_file else str(exc)) from None
+    settings = _llm_kwargs(args)
+    try:
+        ServingConfig(**settings)  # every setting checked before a model loads or a fleet starts
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     replicas = getattr(args, "replicas", None)
     if replicas is not None:
         from ttftc.commands import serve_fleet  # lazy: Ray, an optional extra, only for --replicas
-        return serve_fleet.run(args, _llm_kwargs(args),
+        return serve_fleet.run(args, settings,
                                dict(tenant_header=args.tenant_header, policy=policy, warm=warm,
                                     report_cached_tokens=not args.no_report_cached_tokens))
     if getattr(args, "ray_address", None) or getattr(args, "routing", None):
@@ -74,7 +80,7 @@ def run(args) -> int:
               "each used as soon as it is ready, and the compile cache makes the next start's fast)",
               file=sys.stderr, flush=True)
     try:
-        llm = ttftc.llm.LLM(args.model, **_llm_kwargs(args),
+        llm = ttftc.llm.LLM(args.model, **settings,
                             on_progress=lambda line: print(f"ttftc serve: {line}", file=sys.stderr, flush=True))
     except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from None
@@ -99,7 +105,8 @@ def run(args) -> int:
 
 
 def _llm_kwargs(args) -> dict:
-    """`ttftc.LLM`'s keyword arguments from the command line (on_progress aside): one server's, or each replica's."""
+    """The ServingConfig's fields from the command line, as `ttftc.LLM`'s keyword arguments (its convenience form, so
+    tests that stand in for LLM see each setting): one server's, or each replica's."""
     return dict(precision=args.precision, buckets=None if args.buckets == NO_BUCKETS else args.buckets,
                 chunked_prefill=args.chunked_prefill, yield_chunk=args.yield_chunk,
                 prompt_cache=not args.no_prompt_cache, prefix_cache_bytes=args.prefix_cache_mb << 20,

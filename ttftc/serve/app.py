@@ -40,7 +40,7 @@ import json
 import logging
 import math
 import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -179,22 +179,13 @@ class _Served:
         self.created = int(time.time())
         self._estimate_failed = False
         self.warmed = Warmed((), 0)
-        cache = llm.prefix_cache
-        stats = (lambda: cache.stats()) if cache is not None else None
-        self.metrics = ServerMetrics(
-            running=lambda: llm.loop.running, waiting=lambda: llm.loop.waiting, kv_tokens=lambda: llm.loop.kv_tokens,
-            prefix_cache_bytes=(lambda: stats().bytes_held) if stats else (lambda: 0),
-            pinned_tokens=(lambda: stats().pinned_tokens) if stats else (lambda: 0),
-            pinned_prompts=(lambda: stats().pinned_prompts) if stats else (lambda: 0),
-            cost_terms=llm.scheduler.cost_model.coefficients, compile_status=llm.compile_status,
-            bucketed_prompts=lambda: llm.engine.bucketed_prompts,
-            disk=_disk_figures(llm.prefix_cache) if llm.prefix_cache is not None and llm.prefix_cache.disk else None)
+        self.metrics = ServerMetrics(llm.stats)
 
     def model_card(self) -> dict:
-        geometry = self.llm.engine.geometry
+        geometry = self.llm.geometry
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "ttftc",
                 "max_model_len": geometry.max_positions, "vocab_size": geometry.vocab_size,
-                "has_tokenizer": self.llm.codec.tokenizer is not None}
+                "has_tokenizer": self.llm.tokenizer is not None}
 
     def check_model(self, model: str) -> None:
         if model != self.name:
@@ -232,7 +223,7 @@ class _Served:
         """(seconds from `arrived` to the first token, seconds from now until the queue drains), as estimated now;
         None if the estimate failed (the request is served without one rather than refused for it)."""
         try:
-            ahead = self.llm.loop.estimate(ids, tenant=tenant, priority=priority, max_new_tokens=max_new_tokens)
+            ahead = self.llm.estimate(ids, tenant=tenant, priority=priority, max_new_tokens=max_new_tokens)
         except Exception:
             if not self._estimate_failed:
                 log.exception("the TTFT estimate failed; requests are served without one")
@@ -405,12 +396,3 @@ class _Flight:
             return
         served.metrics.finished(output.completion())
 
-
-def _disk_figures(cache) -> Callable[[], dict]:
-    """The disk tier's figures for /metrics: the tier's own, and the hits the prefix cache loaded or declined."""
-    def figures() -> dict:
-        tier, stats = cache.disk.stats(), cache.stats()
-        return {"blocks": tier.blocks, "bytes": tier.bytes, "stored": tier.stored, "loaded": stats.disk_loaded_blocks,
-                "declined": stats.disk_declined_blocks, "refused": tier.refused}
-
-    return figures

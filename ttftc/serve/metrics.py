@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 (re-exported for the app)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
@@ -31,12 +31,9 @@ _ABS_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 4.0)
 
 
 class ServerMetrics:
-    def __init__(self, *, running: Callable[[], float], waiting: Callable[[], float],
-                 prefix_cache_bytes: Callable[[], float], kv_tokens: Callable[[], float],
-                 pinned_tokens: Callable[[], float] = lambda: 0, pinned_prompts: Callable[[], float] = lambda: 0,
-                 cost_terms: Optional[Callable[[], dict]] = None, disk: Optional[Callable[[], dict]] = None,
-                 compile_status: Optional[Callable[[], dict]] = None,
-                 bucketed_prompts: Callable[[], float] = lambda: 0):
+    """The server's series. `stats` is the LLM's snapshot (LLM.stats): the gauges read one snapshot per scrape."""
+
+    def __init__(self, stats: Callable[[], dict]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("ttftc_time_to_first_token_seconds", "Handler arrival to first token chunk sent",
@@ -53,12 +50,6 @@ class ServerMetrics:
                                 registry=r)
         self.errors = Counter("ttftc_request_errors", "Requests refused, by HTTP status", ["status"], registry=r)
         self.generated = Counter("ttftc_generation_tokens", "Tokens generated", registry=r)
-        Gauge("ttftc_requests_running", "Sequences in prefill or decode", registry=r).set_function(running)
-        Gauge("ttftc_requests_waiting", "Requests not yet admitted (batching window, no free slot)",
-              registry=r).set_function(waiting)
-        Gauge("ttftc_prefix_cache_bytes", "Bytes of KV held by the prefix cache",
-              registry=r).set_function(prefix_cache_bytes)
-        Gauge("ttftc_kv_tokens", "Tokens of KV held by requests in flight", registry=r).set_function(kv_tokens)
         self.estimated_ttft = Histogram("ttftc_estimated_time_to_first_token_seconds",
                                         "TTFT estimated at admission, of requests admitted", buckets=_LATENCY_BUCKETS,
                                         registry=r)
@@ -69,32 +60,7 @@ class ServerMetrics:
                                             registry=r)
         self.shed = Counter("ttftc_requests_shed", "Requests refused with 429 because their estimated TTFT missed "
                             "the SLO, by whether their priority is shed first", ["priority_class"], registry=r)
-        Gauge("ttftc_prefix_cache_pinned_tokens", "Prompt tokens pinned in the prefix cache (warm prompts)",
-              registry=r).set_function(pinned_tokens)
-        Gauge("ttftc_prefix_cache_pinned_prompts", "Prompts pinned in the prefix cache (warm prompts)",
-              registry=r).set_function(pinned_prompts)
-        if disk is not None:
-            tier = Gauge("ttftc_prefix_cache_disk", "The prefix cache's disk tier: blocks and bytes held; blocks stored, "
-                         "loaded on a hit, declined on a hit (recomputing measured faster), refused as invalid",
-                         ["quantity"], registry=r)
-            for quantity in ("blocks", "bytes", "stored", "loaded", "declined", "refused"):
-                tier.labels(quantity).set_function(lambda quantity=quantity: disk()[quantity])
-        if compile_status is not None:
-            for state in ("compiling", "compiled", "failed"):
-                Gauge(f"ttftc_buckets_{state}", f"Prompt-length buckets whose graphs are {state} (background compile)",
-                      registry=r).set_function(lambda state=state: compile_status()[f"buckets_{state}"])
-            Gauge("ttftc_kv_path_compiled", "1 once the KV path (decode, cached prefixes) runs compiled, else 0",
-                  registry=r).set_function(lambda: float(compile_status()["kv_path"] in ("compiled", "ready")))
-            Gauge("ttftc_warm", "1 once every graph the server uses is ready (nothing left to compile), else 0",
-                  registry=r).set_function(lambda: float(compile_status()["warm"]))
-            r.register(_GraphCounts(compile_status))
-        Gauge("ttftc_bucketed_prefill_prompts", "Prompts whose first stretch ran in a bucketed graph, since start",
-              registry=r).set_function(bucketed_prompts)
-        if cost_terms is not None:
-            cost = Gauge("ttftc_cost_model", "The TTFT cost model's fit: seconds per prefill forward, token, token x "
-                         "context token; per decode step and row; per step outside its forwards", ["term"], registry=r)
-            for term in ("forward_s", "token_s", "attend_s", "step_s", "row_s", "overhead_s"):
-                cost.labels(term).set_function(lambda term=term: cost_terms()[term])
+        r.register(_EngineSeries(stats))
 
     def finished(self, completion) -> None:
         """Record what the scheduler measured for one request that ran."""
@@ -118,19 +84,55 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _GraphCounts:
-    """Counters read from the LLM at scrape time (prometheus_client's Counter can only be incremented, and the counts
-    live in the compile code, which knows nothing of metrics)."""
+class _EngineSeries:
+    """The series read from the LLM at scrape time, all from one `stats()` snapshot (prometheus_client's Counter can
+    only be incremented, and these figures live in the engine, the cache and the compile code, which know nothing of
+    metrics)."""
 
-    _HELP = {"ttftc_graph_compiles": ("graphs_compiled", "Graphs this process compiled (traced, passes, lowering)"),
-             "ttftc_graph_cache_loads": ("graphs_loaded", "Graphs loaded from the compile cache instead of compiled")}
-
-    def __init__(self, compile_status: Callable[[], dict]):
-        self.compile_status = compile_status
-
-    def describe(self):
-        return [CounterMetricFamily(name, text) for name, (_, text) in self._HELP.items()]
+    def __init__(self, stats: Callable[[], dict]):
+        self.stats = stats
 
     def collect(self):
-        status = self.compile_status()
-        return [CounterMetricFamily(name, text, value=status[key]) for name, (key, text) in self._HELP.items()]
+        s = self.stats()
+        cache, disk, status, cost = s["prefix_cache"], s["disk"], s["compile"], s["cost_model"]
+        yield _gauge("ttftc_requests_running", "Sequences in prefill or decode", s["running"])
+        yield _gauge("ttftc_requests_waiting", "Requests not yet admitted (batching window, no free slot)",
+                     s["waiting"])
+        yield _gauge("ttftc_prefix_cache_bytes", "Bytes of KV held by the prefix cache", s["prefix_cache_bytes"])
+        yield _gauge("ttftc_kv_tokens", "Tokens of KV held by requests in flight", s["kv_tokens"])
+        yield _gauge("ttftc_prefix_cache_pinned_tokens", "Prompt tokens pinned in the prefix cache (warm prompts)",
+                     cache.pinned_tokens if cache is not None else 0)
+        yield _gauge("ttftc_prefix_cache_pinned_prompts", "Prompts pinned in the prefix cache (warm prompts)",
+                     cache.pinned_prompts if cache is not None else 0)
+        if disk is not None:
+            yield _labelled("ttftc_prefix_cache_disk", "The prefix cache's disk tier: blocks and bytes held; blocks "
+                            "stored, loaded on a hit, declined on a hit (recomputing measured faster), refused as "
+                            "invalid", "quantity",
+                            {q: disk[q] for q in ("blocks", "bytes", "stored", "loaded", "declined", "refused")})
+        for state in ("compiling", "compiled", "failed"):
+            yield _gauge(f"ttftc_buckets_{state}", f"Prompt-length buckets whose graphs are {state} (background "
+                         "compile)", status[f"buckets_{state}"])
+        yield _gauge("ttftc_kv_path_compiled", "1 once the KV path (decode, cached prefixes) runs compiled, else 0",
+                     float(status["kv_path"] in ("compiled", "ready")))
+        yield _gauge("ttftc_warm", "1 once every graph the server uses is ready (nothing left to compile), else 0",
+                     float(status["warm"]))
+        yield CounterMetricFamily("ttftc_graph_compiles", "Graphs this process compiled (traced, passes, lowering)",
+                                  value=status["graphs_compiled"])
+        yield CounterMetricFamily("ttftc_graph_cache_loads", "Graphs loaded from the compile cache instead of "
+                                  "compiled", value=status["graphs_loaded"])
+        yield _gauge("ttftc_bucketed_prefill_prompts", "Prompts whose first stretch ran in a bucketed graph, since "
+                     "start", s["bucketed_prompts"])
+        yield _labelled("ttftc_cost_model", "The TTFT cost model's fit: seconds per prefill forward, token, token x "
+                        "context token; per decode step and row; per step outside its forwards", "term",
+                        {t: cost[t] for t in ("forward_s", "token_s", "attend_s", "step_s", "row_s", "overhead_s")})
+
+
+def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, text, value=float(value))
+
+
+def _labelled(name: str, text: str, label: str, values: dict) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, text, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], float(value))
+    return family

@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 
 from ttftc.confined import UnsafePathError, read_regular
 from ttftc.llm import LLM
-from ttftc.runtime.prefix_cache import CacheLease
+from ttftc.runtime.prefix_cache import CacheLease, PrefixCacheStats
 from ttftc.text import NoTokenizerError
 
 MAX_FILE_BYTES = 64 << 20
@@ -60,7 +60,7 @@ class Warmed:
 
     def unpin(self, llm: LLM) -> None:
         for lease in self.pins:
-            llm.prefix_cache.unpin(lease)
+            llm.unpin(lease)
 
 
 def read_warm_prompts(path: Union[str, Path]) -> list[WarmPrompt]:
@@ -127,9 +127,9 @@ def _parse_line(line: str, where: str) -> WarmPrompt:
 
 def warm_prompts(llm: LLM, prompts: Sequence[WarmPrompt], *, require_tenant: bool = False) -> Warmed:
     """Prefill every prompt into `llm`'s prefix cache and pin it, all or nothing (the module docstring)."""
-    cache = llm.prefix_cache
     if not prompts:
         return Warmed((), 0)
+    cache = llm.stats()["prefix_cache"]
     if cache is None:
         raise WarmPromptsError("warm prompts need the prefix cache; it is off (--no-prompt-cache)")
     encoded: list[list[int]] = []
@@ -140,21 +140,17 @@ def warm_prompts(llm: LLM, prompts: Sequence[WarmPrompt], *, require_tenant: boo
         except WarmPromptsError as exc:
             errors.append(str(exc))
     _raise_if(errors)
-    _check_capacity(cache, prompts, encoded)
+    _check_capacity(cache, llm.geometry.block_bytes(cache.block_size), prompts, encoded)
     pins: list[CacheLease] = []
     try:
         for prompt, ids in zip(prompts, encoded):
-            tenant = prompt.tenant  # None: the LLM's own namespace (LLM.generate's default)
-            try:
-                (done,) = llm.generate([ids], max_new_tokens=1, ignore_eos=True, tenant=tenant)
-                if done.finish_reason == "error":
-                    raise RuntimeError(done.error or "the prefill failed")
-                pins.append(cache.pin(ids, tenant=llm.tenant if tenant is None else tenant))
+            try:  # tenant None: the LLM's own namespace (LLM.generate's default)
+                pins.append(llm.warm(ids, tenant=prompt.tenant))
             except (RuntimeError, ValueError, TimeoutError) as exc:
                 raise WarmPromptsError(f"{prompt.where}: warming failed, nothing is pinned: {exc}") from None
     except BaseException:
         for lease in pins:
-            cache.unpin(lease)
+            llm.unpin(lease)
         raise
     return Warmed(tuple(pins), sum(len(ids) for ids in encoded))
 
@@ -177,7 +173,8 @@ def _encode(llm: LLM, prompt: WarmPrompt, block_size: int, require_tenant: bool)
     return ids
 
 
-def _check_capacity(cache, prompts: Sequence[WarmPrompt], encoded: list[list[int]]) -> None:
+def _check_capacity(cache: PrefixCacheStats, block_bytes: int, prompts: Sequence[WarmPrompt],
+                    encoded: list[list[int]]) -> None:
     """Refuse, before any prefill, pins that alone would not fit the cache: blocks shared by prompts of one tenant
     count once, as the cache stores them once."""
     bs = cache.block_size
@@ -191,7 +188,7 @@ def _check_capacity(cache, prompts: Sequence[WarmPrompt], encoded: list[list[int
                 node[key] = {}
                 blocks += 1
             node = node[key]
-    needed = blocks * (cache.block_bytes or 0)
+    needed = blocks * block_bytes
     if needed > cache.budget_bytes:
         raise WarmPromptsError(
             f"the {len(prompts)} warm prompts pin {blocks} cache blocks ({needed / 2**20:.1f} MiB of KV), more than "
