@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from ttftc.runtime.kv_disk import (FORMAT, DiskTierError, KVDiskTier, child_address, child_digest, clear_directory,
-                                   directory_usage, root_address, root_digest)
+from ttftc.runtime.kv_disk import (FORMAT, STALE_TEMPORARY_S, DiskTierError, KVDiskTier, child_address, child_digest,
+                                   clear_directory, directory_usage, root_address, root_digest)
 from ttftc.runtime.prefix_cache import PRIVATE, PrefixCache
 
 BLOCK = 4  # tokens per block
@@ -151,8 +152,10 @@ def test_bad_configuration_is_refused_with_the_fix(tmp_path):
 def test_stale_temporary_files_are_removed_and_clear_touches_only_blocks(tmp_path):
     tier = _tier(tmp_path)
     tier.store(child_address(root_address("model-a", "default"), (1, 2, 3, 4)), _payload(1))
-    stale = tmp_path / f".{'a' * 64}.safetensors.x1y2.tmp"
+    stale = tmp_path / f".{'a' * 64}.safetensors.x1y2.tmp"  # a writer that cannot be told alive: judged by age
     stale.write_bytes(b"half")
+    old = time.time() - STALE_TEMPORARY_S - 60
+    os.utime(stale, (old, old))
     keep = tmp_path / "notes.txt"
     keep.write_text("mine")
     _tier(tmp_path)

@@ -196,3 +196,54 @@ def test_a_forged_header_that_is_no_object_is_refused(tmp_path):
     first.write_bytes((len(header).to_bytes(8, "little") + header).ljust(size, b"\0"))
     (tokens, _), refusals = _match(tmp_path)
     assert tokens == 0 and len(refusals) == 1 and not first.exists()
+
+
+# -- a directory shared by live tiers: what is planted after a tier started is checked like the rest ---------------
+
+def _live_match(cache, prompt=PROMPT, tenant=None):
+    """A running server's request (its tier listed the directory before the attack): (tokens, refusal warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lease = cache.match(prompt, tenant=tenant)
+    tokens = lease.num_tokens
+    lease.release()
+    cache.check_invariants()
+    return tokens, [str(w.message) for w in caught if "KV disk tier" in str(w.message)]
+
+
+def test_a_block_planted_for_another_tenant_after_start_is_refused_on_its_first_hit(tmp_path):
+    running = _cache(tmp_path)  # a replica that started before any block was written
+    _persist(tmp_path, tenant="acme")  # another replica writes acme's blocks
+    for blocks in (1, 2, 3):
+        _forge(_block_file(tmp_path, PROMPT, blocks, "acme"), _block_file(tmp_path, PROMPT, blocks, "globex"))
+    tokens, refusals = _live_match(running, tenant="globex")
+    assert tokens == 0 and len(refusals) == 1 and "another tenant" in refusals[0]
+    assert not _block_file(tmp_path, PROMPT, 1, "globex").exists()
+    assert _live_match(running, tenant="acme") == (12, [])  # the owner's blocks, found on disk, are served
+
+
+def test_a_symlink_planted_after_start_is_never_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    _persist(elsewhere)  # valid blocks, outside the tier's directory
+    store = tmp_path / "tier"
+    running = _cache(store)
+    os.symlink(_block_file(elsewhere, PROMPT, 1), _block_file(store, PROMPT, 1))
+    assert _live_match(running) == (0, [])  # a link is no block: not found, not read, not refused
+    assert _block_file(elsewhere, PROMPT, 1).exists() and running.disk.stats().blocks == 0
+
+
+def test_a_huge_file_planted_after_start_is_neither_read_nor_counted(tmp_path):
+    tier = _tier(tmp_path, budget=4 * BLOCK_BYTES + 4096)
+    running = PrefixCache(4 * BLOCK_BYTES, BLOCK, disk=tier, recompute_seconds=lambda tokens, context: 1.0)
+    huge = _block_file(tmp_path, PROMPT, 1)
+    with open(huge, "wb") as f:
+        f.truncate(1 << 40)  # sparse: a terabyte that costs nothing, at the first block's own address
+    tier.refresh()  # the tier lists the directory again, as it does in the background while it stores
+    assert _live_match(running) == (0, [])  # not taken for a block: a miss, nothing read
+    other = [50 + t for t in PROMPT]
+    running.insert(other, lambda i: _payload(other[i * BLOCK])).release()
+    assert running.persist() == 3  # the terabyte is not in the budget: nothing valid was evicted for it
+    assert tier.stats().evicted == 0 and tier.stats().bytes == 3 * tier.file_bytes
+    running.insert(PROMPT, lambda i: _payload(PROMPT[i * BLOCK])).release()
+    running.persist()  # the first block's own file takes its place
+    assert huge.stat().st_size == tier.file_bytes and _match(tmp_path)[0][0] == 12

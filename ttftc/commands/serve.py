@@ -103,7 +103,8 @@ def add_parser(subparsers) -> None:
                    "kept in DIR (safetensors, checksummed; every file is checked before use), so a restart finds "
                    "them; a hit is loaded where loading measures faster than recomputing. `ttftc cache list|clear "
                    "DIR` shows or empties it")
-    p.add_argument("--kv-disk-mb", type=_positive, default=8192, help="the disk tier's budget (default 8192)")
+    p.add_argument("--kv-disk-mb", type=_positive, default=8192, help="the disk tier's budget in MiB for the whole --kv-disk directory, "
+                   "which every process and replica on it shares: give each the same budget (default 8192)")
     p.add_argument("--max-batch-tokens", type=_positive, default=DEFAULT_STEP_TOKENS,
                    help="scheduler token budget per step (decodes plus prefill tokens; default "
                    f"{DEFAULT_STEP_TOKENS}). It bounds a step's time and so the wait of a short request behind a "

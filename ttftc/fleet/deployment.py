@@ -44,6 +44,7 @@ from ttftc.fleet.routing import Router, RoutingConfig, routing_key
 from ttftc.serve import sse
 from ttftc.serve.app import MAX_BODY_BYTES
 from ttftc.serve.errors import error_body
+from ttftc.serving_config import ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ CONSTRUCTOR_RETRIES = 2
 
 @dataclass(frozen=True)
 class FleetSpec:
-    """What a fleet serves and how. llm_kwargs go to `ttftc.LLM(model, **llm_kwargs)` in each replica, app_kwargs to
+    """What a fleet serves and how. llm_kwargs are ServingConfig's fields (checked here, on the driver, before Ray
+    starts anything), for `ttftc.LLM(model, **llm_kwargs)` in each replica; app_kwargs go to
     `ttftc.serve.create_app` (tenant_header, report_cached_tokens, policy, warm); threads_per_replica: torch's
     intra-op threads in each replica, also the CPUs Ray reserves for it."""
 
@@ -78,6 +80,7 @@ class FleetSpec:
             raise ValueError(f"replicas must be a positive int, got {self.replicas!r}")
         if not isinstance(self.threads_per_replica, int) or self.threads_per_replica < 1:
             raise ValueError(f"threads_per_replica must be a positive int, got {self.threads_per_replica!r}")
+        ServingConfig(**self.llm_kwargs)  # a bad setting fails here, not in every replica
 
     @property
     def replica_names(self) -> list[str]:
@@ -91,11 +94,9 @@ class FleetReplica:
         torch.set_num_threads(spec.threads_per_replica)
         self.replica_id = replica_id
         kwargs = {**spec.llm_kwargs, "on_progress": self._progress}
-        if kwargs.get("kv_disk"):
-            # One subdirectory per replica: a disk tier's start-up scan removes temporary files it takes for a
-            # crashed writer's, and its budget counts only its own index, so two live tiers must not share one
-            # directory. A restarted replica (same name) still starts warm from what it wrote before.
-            kwargs["kv_disk"] = os.path.join(kwargs["kv_disk"], replica_id)
+        # kv_disk: every replica opens the one directory given. The disk tier is shared by processes
+        # (runtime/kv_disk.py): a replica finds the blocks the others wrote, a new or restarted replica starts warm
+        # from all of them, and kv_disk_bytes is the budget of the whole directory, not of each replica.
         self._drain_timeout_s = spec.drain_timeout_s
         self.llm = ttftc.llm.LLM(spec.model, **kwargs)
         try:
