@@ -17,6 +17,7 @@ def test_digest_changes_with_every_field():
     base = ttftc.Config()
     variants = [
         base.replace(precision="bf16"),
+        base.replace(regions="blocks"),
         base.replace(buckets=(128, 256)),
         base.replace(device="cpu"),
         base.replace(provider="reference"),

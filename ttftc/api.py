@@ -10,7 +10,15 @@ from ttftc.bucketed import compile_bucketed
 from ttftc.buckets.compiled import CompiledGraphs
 from ttftc.config import Config
 from ttftc.dynamo_backend import TtftcBackend
+from ttftc.regions.backend import RegionalBackend
 from ttftc.report import Report
+
+
+def backend_for(config: Optional[Config] = None) -> TtftcBackend:
+    """The backend `config` asks for: regional compilation (Config.regions) or the whole-graph one."""
+    if config is not None and config.regions != "off":
+        return RegionalBackend(config)
+    return TtftcBackend(config)
 
 
 def compile(model: torch.nn.Module, config: Optional[Config] = None):  # noqa: A001  (mirrors torch.compile)
@@ -23,7 +31,7 @@ def compile(model: torch.nn.Module, config: Optional[Config] = None):  # noqa: A
     if config is not None and config.buckets is not None:
         # Shape buckets: a wrapper that pads each prompt to its bucket and runs that bucket's graph directly.
         return compile_bucketed(model, config)
-    return torch.compile(model, backend=TtftcBackend(config))
+    return torch.compile(model, backend=backend_for(config))
 
 
 def explain(model, *args, config: Optional[Config] = None, **kwargs) -> Report:
@@ -34,7 +42,7 @@ def explain(model, *args, config: Optional[Config] = None, **kwargs) -> Report:
     """
     if not callable(model):
         raise TypeError(f"ttftc.explain expects a model or callable, got {type(model).__name__}")
-    backend = TtftcBackend(config)
+    backend = backend_for(config)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
     # A graph Inductor loads from its cache skips the post-grad pass that would report on it.

@@ -18,6 +18,7 @@ PROVIDERS = ("auto", "reference", "triton", "cpu", "npu")
 OVERSIZE_POLICIES = ("error", "dynamic")
 CODEGENS = ("eager", "inductor")
 DYNAMIC_SHAPES = ("auto", "dynamo")
+REGIONS = ("off", "blocks")
 # The names Config.passes may give, in pipeline order. The passes themselves sit above the config
 # (ttftc/passes/registry.py, whose PIPELINE is checked against this tuple when it is imported), so that a Config
 # is validated when it is built without importing a single pass.
@@ -50,6 +51,10 @@ class Config:
     codegen:    "eager" runs the post-pass graph op by op (fast compile, no C++ toolchain, AOT artifacts);
                 "inductor" runs the same passes inside Inductor, which generates fused code for the glue between
                 ttftc ops (C++ on CPU, Triton on GPU) and calls each ttftc op's lowering as an extern kernel.
+    regions:    "blocks" compiles each distinct repeated block of the graph (a decoder layer: a ModuleList entry)
+                once and reuses its compiled code for every block of the same structure, with that block's own
+                weights (ttftc/regions/), so the passes and the lowering do not grow with the model's depth. "off"
+                compiles the graph whole. Eager codegen without buckets only, for now.
     """
 
     passes: Union[str, tuple[str, ...]] = "all"
@@ -62,6 +67,7 @@ class Config:
     autotune: bool = True
     codegen: Literal["eager", "inductor"] = "eager"
     dynamic_shapes: Literal["auto", "dynamo"] = "auto"
+    regions: Literal["off", "blocks"] = "off"
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and normalised to tuples so the Config stays hashable.
@@ -102,6 +108,14 @@ class Config:
         if self.dynamic_shapes not in DYNAMIC_SHAPES:
             raise ValueError(
                 f"Unknown dynamic_shapes {self.dynamic_shapes!r}; valid values: {_choices(DYNAMIC_SHAPES)}."
+            )
+        if self.regions not in REGIONS:
+            raise ValueError(f"Unknown regions {self.regions!r}; valid values: {_choices(REGIONS)}.")
+        if self.regions != "off" and (self.codegen != "eager" or self.buckets is not None):
+            raise ValueError(
+                f"Config.regions={self.regions!r} needs codegen='eager' and buckets=None (regional compilation "
+                "rewrites the eager code generator's graph; Inductor and bucket capture compile graphs whole). "
+                "Use regions='off' with them."
             )
         if not isinstance(self.autotune, bool):
             raise ValueError(f"Config.autotune must be True or False, got {self.autotune!r}.")

@@ -9,6 +9,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.operator_schemas import normalize_function
 
@@ -62,8 +63,15 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
 
 
 def fake_mode_of(gm: fx.GraphModule):
-    vals = [n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta]
-    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    """The fake mode of the graph's meta values (the tracing context's, when there is one).
+
+    One fake value names it: every pass and lowering asks, often once per rewritten node, and scanning the whole
+    graph each time made a compile quadratic in the model's depth."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, FakeTensor):
+            return detect_fake_mode([value])
+    return detect_fake_mode([])
 
 
 def _to_meta(arg: Any) -> Any:
@@ -141,7 +149,10 @@ def add_constant(gm: fx.GraphModule, name_hint: str, tensor: torch.Tensor) -> fx
     gm.register_buffer(name, tensor.detach(), persistent=False)
     node = gm.graph.get_attr(name)
     fake_mode = fake_mode_of(gm)
-    node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
+    # The fake reads only the constant's metadata, though through calls (its storage) that a torch-function mode
+    # watching what a compile does with weight values (regions/recipe.py) could not tell from a read of the data.
+    with torch._C.DisableTorchFunction():
+        node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
     return node
 
 
