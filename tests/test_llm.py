@@ -180,7 +180,9 @@ def test_the_compiled_kv_path_decodes_and_continues_like_the_eager_model():
         llm.close(5)
 
 
-def test_background_compile_serves_eagerly_then_swaps_the_compiled_kv_path_in(monkeypatch):
+def test_background_compile_serves_eagerly_then_swaps_the_compiled_kv_path_in(monkeypatch, tmp_path):
+    # A compile cache of its own: in a shared one, an earlier test's KV graphs would be loaded, not compiled.
+    monkeypatch.setenv("TTFTC_COMPILE_CACHE", str(tmp_path / "compile"))
     gate = threading.Event()
     warm = background.warm_kv_path
 

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch._aot_autograd.schemas import MutationType, OutputType
+from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc.*)
-from ttftc.capture import (FlatInputs, flat_inputs, freeze_weights, is_weight, retrace_with_symbolic_lengths,
-                           weights_as_attributes)
+from ttftc.capture import (FlatInputs, GraphDescription, GuardWatch, describe_dynamo_graph, flat_inputs,
+                           freeze_weights, guards_hold, is_weight, retrace_with_symbolic_lengths, weights_as_attributes)
 from ttftc.config import Config
 from ttftc.fx_utils import copy_graph
 from ttftc.pipeline import run_pipeline
@@ -50,19 +52,43 @@ class LoweredGraph:
     num_inputs: int
 
 
+@dataclass(frozen=True)
+class CachedGraph:
+    """A compiled graph as a graph cache holds it: the lowered aten graph, which of Dynamo's inputs it reads, and the
+    guards its compile added to the shape environment (capture.encode_guards), asserted again when it is loaded."""
+
+    graph_module: fx.GraphModule
+    live_inputs: tuple[int, ...]
+    guards: list
+    dynamic_dims: tuple = ()  # per output: the dims marked dynamic for the next graph, or None (_mark_dynamic_outputs)
+
+
+class GraphCache(Protocol):
+    """Where the backend keeps compiled graphs across processes (ttftc.cache.dynamic_graphs implements it)."""
+
+    def load(self, config: Config, description: GraphDescription) -> Sequence[CachedGraph]: ...
+
+    def save(self, config: Config, description: GraphDescription, graph: CachedGraph) -> None: ...
+
+
 class TtftcBackend:
-    """A configured backend. Keeps one Report per graph it compiled.
+    """A configured backend. Keeps one Report per graph it compiled, and counts those loaded from `graph_cache`.
 
     on_aten_graph(aten_gm, num_inputs): called with each functional aten graph AOTAutograd hands over (its
         placeholders are the flat inputs, weights included), before weights are frozen and passes run.
     on_lowered(LoweredGraph): called with each graph once its passes and lowering are done, before it runs
         (again for the graph a new set of weights gets, see _WeightGuard).
     Both are for codegen="eager" (Inductor owns the graph otherwise); either may raise to end the compile.
+    graph_cache: where compiled graphs are looked up before compiling, and stored after (codegen="eager"). A hit
+        skips AOTAutograd, the passes and lowering; Dynamo has traced the graph already and keeps guarding it. A graph
+        is only stored when running it needs nothing AOTAutograd's runtime wrapper would add (no aliased outputs, no
+        input mutation outside the graph) and what its compile assumed about sizes can be stated as stored guards.
     """
 
     def __init__(self, config: Optional[Config] = None, *, autotune_cache=None,
                  on_aten_graph: Optional[Callable[[fx.GraphModule, int], None]] = None,
-                 on_lowered: Optional[Callable[[LoweredGraph], None]] = None):
+                 on_lowered: Optional[Callable[[LoweredGraph], None]] = None,
+                 graph_cache: Optional[GraphCache] = None):
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"ttftc.backend expects a ttftc.Config, got {type(config).__name__}")
         self.config = config or Config()
@@ -72,6 +98,8 @@ class TtftcBackend:
         self.on_lowered = on_lowered
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []  # the lowered graphs, for autotune and inspection
+        self.graph_cache = graph_cache
+        self.graphs_loaded = 0  # graphs taken from graph_cache instead of compiled (not in `reports`)
 
     def report(self) -> Report:
         merged = Report()
@@ -94,16 +122,38 @@ class TtftcBackend:
             retrace_with_symbolic_lengths(example_inputs)
         if self.config.codegen == "inductor":
             return self._compile_inductor(gm, example_inputs)
+        description = describe_dynamo_graph(gm, example_inputs) if self.graph_cache is not None else None
+        # Watched from before the stored variants are tried: a variant whose guard fails here leaves that guard's
+        # negation installed, which the compile below may rely on, so the variant it stores must assert it too.
+        watch = GuardWatch() if description is not None else None
+        if description is not None:
+            # One traced graph can compile to several (a pass that decides on a size adds a guard either way), so
+            # the cache holds variants: the first whose guards hold here is the one this compile would have made.
+            for cached in self.graph_cache.load(self.config, description):
+                if guards_hold(cached.guards, description):
+                    self.graphs_loaded += 1
+                    return _cached_runner(gm, example_inputs, cached)
         inputs = flat_inputs(gm, example_inputs)
+        compiled: list[tuple[Callable, Optional[list]]] = []
 
         def inference_compiler(aten_gm: fx.GraphModule, aot_inputs: Sequence) -> Callable:
-            return self._compile_aten(aten_gm, inputs, len(aot_inputs))
+            plain = _plain_runtime(len(aot_inputs), len(example_inputs))
+            run = self._compile_aten(aten_gm, inputs, len(aot_inputs))
+            compiled.append((run, plain))
+            return run
 
-        return aot_autograd(
+        runner = aot_autograd(
             fw_compiler=inference_compiler,
             inference_compiler=inference_compiler,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+        if description is not None and len(compiled) == 1 and compiled[0][1] is not None:
+            guards = watch.added(description)
+            lowered = getattr(compiled[0][0], "graph_module", None)
+            if guards is not None and lowered is not None:
+                self.graph_cache.save(self.config, description, CachedGraph(
+                    lowered, tuple(compiled[0][0].live_inputs), guards, tuple(compiled[0][1])))
+        return runner
 
     def _compile_aten(self, aten_gm: fx.GraphModule, inputs, num_aot_inputs: int) -> Callable:
         # AOTAutograd calls us inside its FakeTensorMode; passes work on real weights (concatenate, quantize),
@@ -205,6 +255,54 @@ class _WeightGuard:
 
     def __call__(self, args: list):
         return self._variant_for(args)(args)
+
+
+def _plain_runtime(num_aot_inputs: int, num_inputs: int) -> Optional[list]:
+    """For a graph AOTAutograd is compiling that runs as it is (one input per Dynamo input, outputs that alias
+    nothing, every mutation inside the graph, grad mode untouched), the one thing its runtime wrapper still does: the
+    dimensions of each output it marks dynamic for the next graph (None for none). None for any other graph: only a
+    graph that runs as it is can run from a stored copy without AOTAutograd's wrapper."""
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if (meta is None or num_aot_inputs != num_inputs or meta.num_intermediate_bases or meta.tokens
+            or getattr(meta, "grad_enabled_mutation", None) is not None):
+        return None
+    plain = (all(o.output_type == OutputType.non_alias for o in meta.output_info)
+             and all(not i.mutates_metadata and not i.mutates_storage_metadata
+                     and (not i.mutates_data or i.mutation_type == MutationType.MUTATED_IN_GRAPH)
+                     for i in meta.input_info))
+    if not plain:
+        return None
+    return [sorted(dims) if (dims := getattr(o, "dynamic_dims", None)) else None for o in meta.output_info]
+
+
+def _mark_dynamic_outputs(outputs: Sequence, dynamic_dims: Sequence) -> None:
+    """What AOTAutograd's wrapper does to a compiled graph's outputs: the dims that were symbolic are marked so that a
+    graph Dynamo traces next with them as inputs treats those dims as dynamic from the start (unguarded). Without it a
+    loaded graph would steer the next trace elsewhere than the compiled one did (other symbols, another cache key)."""
+    for tensor, dims in zip(outputs, dynamic_dims):
+        if dims and isinstance(tensor, torch.Tensor):
+            marked = getattr(tensor, "_dynamo_propagated_dynamic_indices", None)
+            tensor._dynamo_propagated_dynamic_indices = (marked | set(dims)) if marked else set(dims)
+
+
+def _cached_runner(dynamo_gm: fx.GraphModule, example_inputs: Sequence, cached: CachedGraph) -> Callable:
+    """Run a graph loaded from a graph cache on Dynamo's (unpacked) inputs. Its weights are frozen in, so a call with
+    other weight tensors (Dynamo does not guard on which parameters it gets, see _WeightGuard) runs Dynamo's own graph
+    uncompiled instead: correct, only slower."""
+    weight_indices = tuple(i for i, x in enumerate(example_inputs) if is_weight(x))
+    weights = tuple(example_inputs[i] for i in weight_indices)
+    graph, live, dynamic_dims = cached.graph_module, cached.live_inputs, cached.dynamic_dims
+
+    def run(*args):
+        if any(args[i] is not w for i, w in zip(weight_indices, weights)):
+            return dynamo_gm(*args)
+        outputs = graph(*[args[i] for i in live])
+        if dynamic_dims:
+            _mark_dynamic_outputs(outputs, dynamic_dims)
+        return outputs
+
+    return run
 
 
 def _select_inputs(compiled: Callable, live: list[int]) -> Callable:

@@ -18,6 +18,7 @@ from ttftc import __version__ as TTFTC_VERSION
 from ttftc.aot.artifact import MANIFEST, read_manifest
 from ttftc.aot.load import load as load_artifact
 from ttftc.api import compile as ttftc_compile
+from ttftc.cache.dynamic_graphs import default_dynamic_cache
 from ttftc.config import Config
 from ttftc.dynamo_backend import TtftcBackend
 from ttftc.models import load_model, resolve_model
@@ -69,9 +70,10 @@ class ServingParts:
 
     def _graph_counts(self) -> dict:
         prefill = self.prefill
-        kv_graphs = len(self.kv_backend.reports) if self.kv_backend is not None else 0
-        return {"graphs_compiled": (prefill.graphs_compiled if prefill is not None else 0) + kv_graphs,
-                "graphs_loaded": prefill.graphs_loaded if prefill is not None else 0}
+        backend = self.kv_backend
+        kv_compiled, kv_loaded = (len(backend.reports), backend.graphs_loaded) if backend is not None else (0, 0)
+        return {"graphs_compiled": (prefill.graphs_compiled if prefill is not None else 0) + kv_compiled,
+                "graphs_loaded": (prefill.graphs_loaded if prefill is not None else 0) + kv_loaded}
 
 
 def build_parts(model_or_path, config: ServingConfig, *, tokenizer: Any = None,
@@ -84,7 +86,8 @@ def build_parts(model_or_path, config: ServingConfig, *, tokenizer: Any = None,
     compile_buckets = config.background_compile and source.artifact is None  # an artifact's graphs load in no time
     cache = _prefix_cache(model, config, prefix_cache)  # before any compile: a cache that cannot be fails fast
     prefill, batch_sizes = _prefill_model(source, config, notes, check_plan=not compile_buckets)
-    kv_backend = TtftcBackend(Config(precision=config.precision)) if config.compile_kv_path else None
+    kv_backend = (TtftcBackend(Config(precision=config.precision), graph_cache=default_dynamic_cache(model))
+                  if config.compile_kv_path else None)
     kv_model = _kv_model(model, kv_backend) if kv_backend is not None else model
     # In the background mode the engine starts on the eager model with no bucket, and is handed each graph as it
     # is compiled.
@@ -96,7 +99,7 @@ def build_parts(model_or_path, config: ServingConfig, *, tokenizer: Any = None,
     if config.background_compile:
         compiler = background.BackgroundCompile(
             engine, prefill=prefill if compile_buckets else None, kv_model=kv_model if kv_backend is not None else None,
-            expected_buckets=tuple(config.buckets or ()), on_progress=on_progress, notes=notes)
+            expected_buckets=tuple(config.buckets or ()), on_progress=on_progress, notes=notes, kv_backend=kv_backend)
     scheduler = StepScheduler(engine, config.max_batch_tokens, chunk_size=config.chunked_prefill,
                               batch_window_s=config.batch_window_ms / 1000.0, max_running=config.max_running,
                               yield_chunk=config.yield_chunk,
@@ -138,8 +141,8 @@ def _prefill_model(source: "ModelSource", config: ServingConfig, notes: list[str
 
 
 def _kv_model(model: torch.nn.Module, backend: TtftcBackend):
-    # Dynamic from the first call: prompt and KV lengths vary on every call of this path. Its graphs are traced
-    # by Dynamo in every process: the compile cache holds fixed-shape graphs only (compile_status counts them).
+    # Dynamic from the first call: prompt and KV lengths vary on every call of this path. Dynamo traces it in every
+    # process; the backend then loads each graph from the compile cache where it can (compile_status counts both).
     return torch.compile(model, backend=backend, dynamic=True)
 
 

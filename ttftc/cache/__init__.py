@@ -1,4 +1,5 @@
-"""ttftc's persistent compile cache: compiled bucket graphs on disk, so a second process compiles nothing.
+"""ttftc's persistent compile cache: compiled bucket graphs, and the compiled KV path's dynamic-shape graphs
+(dynamic_graphs.py), on disk, so a second process compiles nothing.
 
 The names below resolve on first use: loading an AOT artifact imports the graph format and the file helpers of this
 package, not the compile cache itself.

@@ -8,6 +8,13 @@ what the file names:
   the aten ops that read files, print, or index memory without bounds checks (`from_file`, `_print`, `set_`, the
   `*_unsafe*` sparse constructors, `_unsafe_index*`), and only ops that return tensors;
 - `{"fn": "_operator:getitem"}`: indexing a multi-tensor result;
+- `{"op": "prims::convert_element_type.default"}`, the one prims op captured graphs keep;
+- in a graph with symbolic sizes only (dynamic_format.py): `{"fn": "_operator:add"}` (sub, mul, floordiv, mod,
+  neg, and `torch:sym_max`, `torch:sym_min`) and `{"op": "aten::sym_size.int"}` on integers and earlier symbolic
+  sizes, each checked at run time to stay within int64 (a chain of products could otherwise grow a Python integer
+  without bound), and
+  `{"tuned": "ttftc.codegen.<provider>.<module>:<function>"}`, a lowering that looks its autotuned config up per
+  call shape (codegen/tuned_per_shape.py);
 - `{"fn": "ttftc.codegen.<provider>.<module>:<function>"}`: a lowering registered with ttftc's lowering registry.
   Only that provider module is imported (it registers its lowerings; loading a CPU graph never imports Triton), and
   the function is then taken from the registry.
@@ -35,9 +42,11 @@ import torch
 import ttftc.ops  # noqa: F401  (registers torch.ops.ttftc.*, which stored graphs call)
 from ttftc.autotune.space import knob_reason, tuning_axes
 from ttftc.codegen.registry import lowerings_for
+from ttftc.codegen.tuned_per_shape import TunedPerShape
 from ttftc.ops.registry import all_ops, get_op
 
 OP_NAMESPACES = ("aten", "ttftc")
+_PRIMS = frozenset({"convert_element_type"})  # prims ops a captured graph keeps; no other prims op is read
 GETITEM = "_operator:getitem"
 TUNING_CONFIG = "tuning_config"
 _PROVIDER_MODULE = re.compile(r"ttftc\.codegen\.(triton|npu|cpu)\.([a-z][a-z0-9_]*)\Z")
@@ -71,7 +80,8 @@ class Tensors(NamedTuple):
 
 
 TENSOR = "tensor"
-Produces = Union[str, Tensors]  # TENSOR or Tensors(...)
+SYMINT = "symint"  # a symbolic size: an int at run time (placeholders and sym ops of dynamic graphs only)
+Produces = Union[str, Tensors]  # TENSOR, SYMINT or Tensors(...)
 
 
 Check = Callable[[Any, Mapping[str, Produces]], bool]  # (value, what earlier nodes produce) -> fits
@@ -96,6 +106,7 @@ class Callee(NamedTuple):
     takes_tuning: bool
     produces: Optional[Produces]
     tuning_axes: Optional[Mapping[str, tuple]] = None  # the lowering's autotune knobs and their values, if any
+    lowering: Any = None  # the registry's Lowering, for a lowering target
 
 
 def _refused_aten(opname: str) -> bool:
@@ -118,7 +129,10 @@ def _resolve_op(name: str) -> Callee:
     """The OpOverload `namespace::op.overload`, for the aten and ttftc namespaces only."""
     namespace, sep, rest = name.partition("::")
     opname, dot, overload = rest.rpartition(".")
-    if not (sep and dot and namespace in OP_NAMESPACES and _NAME.match(opname) and _NAME.match(overload)
+    if name == _SYM_SIZE:
+        return Callee(torch.ops.aten.sym_size.int, name, None, False, SYMINT)
+    allowed = namespace in OP_NAMESPACES or (namespace == "prims" and opname in _PRIMS)
+    if not (sep and dot and allowed and _NAME.match(opname) and _NAME.match(overload)
             and not opname.startswith("__") and not overload.startswith("__")):
         raise GraphFormatError(f"op {name!r} is not an {' or '.join(OP_NAMESPACES)} op name like aten::neg.default")
     if namespace == "aten" and _refused_aten(opname):
@@ -180,29 +194,56 @@ def _resolve_function(name: str) -> Callee:
     if missing:
         raise GraphFormatError(f"lowering {name} does not take the arguments {missing} of ttftc::{lowering.op}")
     return Callee(lowering.impl, name, _params(schema, False), TUNING_CONFIG in accepted, _produces(schema),
-                  tuning_axes=tuning_axes(lowering.op, lowering.provider))
+                  tuning_axes=tuning_axes(lowering.op, lowering.provider), lowering=lowering)
 
 
-def resolve_target(data: Any) -> Callee:
-    """The callee a node's `target` entry names: {"op": NAME} or {"fn": NAME}."""
+def resolve_target(data: Any, symbolic: bool = False) -> Callee:
+    """The callee a node's `target` entry names: {"op": NAME} or {"fn": NAME}; with `symbolic` (a graph with
+    symbolic sizes), also the sym ops and {"tuned": NAME}."""
     if isinstance(data, dict) and len(data) == 1:
         (kind, name), = data.items()
-        if kind == "op" and isinstance(name, str):
+        if kind == "op" and isinstance(name, str) and (symbolic or name != _SYM_SIZE):
             return _resolve_op(name)
         if kind == "fn" and isinstance(name, str):
+            if name in _SYM_FUNCTIONS and symbolic:
+                return _SYM_FUNCTIONS[name]
             return _resolve_function(name)
+        if kind == "tuned" and isinstance(name, str) and symbolic:
+            return _resolve_tuned(name)
     raise GraphFormatError(f"a node target must be {{'op': NAME}} or {{'fn': NAME}}, got {data!r}"[:200])
+
+
+def _resolve_tuned(name: str) -> Callee:
+    callee = _resolve_function(name)
+    if callee.lowering is None:
+        raise GraphFormatError(f"tuned target {name!r} is not a ttftc lowering")
+    return callee._replace(target=None, name=f"tuned {name}")  # the wrapper is made per node (tuned_target)
+
+
+def tuned_target(callee: Callee, device_type: str) -> TunedPerShape:
+    """A fresh per-shape tuning wrapper for a node whose target `_resolve_tuned` resolved (one per node, as
+    lowering makes them: each remembers the configs of the shapes it saw)."""
+    lowering = callee.lowering
+    return TunedPerShape(lowering.op, lowering.provider, device_type, lowering.impl, None)
 
 
 def encode_target(target: Any) -> dict:
     """The `target` entry for a live target; refuses what `resolve_target` would not resolve back to it."""
     if isinstance(target, torch._ops.OpOverload):
         name = f"{target.namespace}::{target._opname}.{target._overloadname}"
-        if target.namespace not in OP_NAMESPACES:
+        if target.namespace not in OP_NAMESPACES and not (target.namespace == "prims" and target._opname in _PRIMS):
             raise GraphFormatError(f"graph calls {name}; only {'/'.join(OP_NAMESPACES)} ops are saved")
         if _resolve_op(name).target is not target:
             raise GraphFormatError(f"graph target {name} does not resolve back to itself")
         return {"op": name}
+    if isinstance(target, TunedPerShape):
+        name = f"{getattr(target.impl, '__module__', None)}:{getattr(target.impl, '__qualname__', None)}"
+        if _resolve_tuned(name).lowering.impl is not target.impl:
+            raise GraphFormatError(f"tuned target {name} does not resolve back to itself")
+        return {"tuned": name}
+    for name, callee in _SYM_FUNCTIONS.items():
+        if callee.name == name and getattr(callee.target, "checks", None) is target:
+            return {"fn": name}
     name = GETITEM if target is operator.getitem else (
         f"{getattr(target, '__module__', None)}:{getattr(target, '__qualname__', None)}")
     try:
@@ -241,8 +282,8 @@ def _check_for(jit_type: Any, fixed_length: Optional[int], wraps_numbers: bool) 
         inner = _check_for(jit_type.getElementType(), fixed_length, False)
         return lambda value, produced: value is None or inner(value, produced)
     if kind == "TensorType":
-        if wraps_numbers:  # x * 1.0: torch wraps the number
-            return lambda value, produced: (produced[value.name] == TENSOR if isinstance(value, Ref)
+        if wraps_numbers:  # x * 1.0: torch wraps the number (a symbolic size too)
+            return lambda value, produced: (produced[value.name] in (TENSOR, SYMINT) if isinstance(value, Ref)
                                             else isinstance(value, (int, float)))
         return lambda value, produced: isinstance(value, Ref) and produced[value.name] == TENSOR
     if kind == "ListType":
@@ -262,6 +303,8 @@ def _check_for(jit_type: Any, fixed_length: Optional[int], wraps_numbers: bool) 
     scalar = _SCALAR_TYPES.get(kind)
     if scalar is None:  # a Generator, a Dict, ...: nothing a stored graph passes
         return lambda value, produced: False
+    if kind in ("SymIntType", "NumberType"):  # where a traced graph passes a symbolic size
+        return lambda value, produced: (produced[value.name] == SYMINT if isinstance(value, Ref) else scalar(value))
     return lambda value, produced: not isinstance(value, Ref) and scalar(value)
 
 
@@ -283,6 +326,8 @@ def _check_tuning(value: Any, axes: Optional[Mapping[str, tuple]], where: str) -
 
 def check_call(callee: Callee, args: tuple, kwargs: dict, produced: Mapping[str, Produces], where: str) -> Produces:
     """Check one call's arguments against the callee's schema; returns what the call produces."""
+    if callee.produces == SYMINT:
+        return _check_sym_call(callee, args, kwargs, produced, where)
     if callee.params is None:
         return _check_getitem(args, kwargs, produced, where)
     if callee.takes_tuning and TUNING_CONFIG in kwargs:
@@ -313,3 +358,52 @@ def _check_getitem(args: tuple, kwargs: dict, produced: Mapping[str, Produces], 
     if not isinstance(index, int) or isinstance(index, bool) or (count is not None and not -count <= index < count):
         raise GraphFormatError(f"{where}: index {index!r} is out of range for {count} tensors"[:200])
     return TENSOR
+
+
+# -- symbolic sizes ------------------------------------------------------------------------------------------------
+_SYM_SIZE = "aten::sym_size.int"
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _is_size(value: Any, produced: Mapping[str, Produces]) -> bool:
+    """An int, or a node that produces a symbolic size."""
+    if isinstance(value, Ref):
+        return produced[value.name] == SYMINT
+    return isinstance(value, int) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]
+
+
+def _int64_checked(fn: Callable, name: str) -> Callable:
+    """`fn` on ints, raising OverflowError when its result leaves int64 (no tensor size or index does)."""
+
+    def checked(*args):
+        result = fn(*args)
+        if not _INT64[0] <= result <= _INT64[1]:
+            raise OverflowError(f"{name} of {args} leaves int64")
+        return result
+
+    checked.__name__ = checked.__qualname__ = f"checked_{name}"
+    checked.checks = fn  # type: ignore[attr-defined]  (what it wraps: how encode_target recognises the op)
+    return checked
+
+
+# name in a file -> (the function a captured graph calls, how many ints it takes)
+_SYM_OPS = {**{f"_operator:{name}": (getattr(operator, name), 2) for name in ("add", "sub", "mul", "floordiv", "mod")},
+            "_operator:neg": (operator.neg, 1),
+            "torch:sym_max": (torch.sym_max, 2), "torch:sym_min": (torch.sym_min, 2)}
+_SYM_ARITY = {name: arity for name, (_, arity) in _SYM_OPS.items()}
+_SYM_FUNCTIONS = {name: Callee(_int64_checked(fn, name.partition(":")[2]), name, None, False, SYMINT)
+                  for name, (fn, _) in _SYM_OPS.items()}
+
+
+def _check_sym_call(callee: Callee, args: tuple, kwargs: dict, produced: Mapping[str, Produces],
+                    where: str) -> Produces:
+    if callee.name == _SYM_SIZE:
+        if (kwargs or len(args) != 2 or not (isinstance(args[0], Ref) and produced[args[0].name] == TENSOR)
+                or not isinstance(args[1], int) or isinstance(args[1], bool) or not -64 <= args[1] < 64):
+            raise GraphFormatError(f"{where}: sym_size takes (a tensor node, a dimension), got {args!r}"[:200])
+        return SYMINT
+    arity = _SYM_ARITY[callee.name]
+    if kwargs or len(args) != arity or not all(_is_size(a, produced) for a in args):
+        raise GraphFormatError(f"{where}: {callee.name} takes {arity} int64 integers or symbolic sizes, got "
+                               f"{args!r}"[:200])
+    return SYMINT

@@ -45,11 +45,15 @@ def _table_rows(ref: Any, by_name: Mapping[str, Any], constants: Mapping[str, An
     return None
 
 
-def check_embedding_rows(spec: Any, vocab_size: int) -> None:
-    """GraphFormatError unless every embedding the token ids of `spec` (a graph_format.ProgramSpec) reach has at
-    least `vocab_size` rows."""
-    placeholders = [node.name for node in spec.nodes if node.kind == "placeholder"]
-    ids = {placeholders[spec.inputs.index("input_ids")]}
+def check_embedding_rows(spec: Any, vocab_size: int, id_placeholders: Optional[set] = None) -> None:
+    """GraphFormatError unless every embedding the token ids of `spec` (a graph_format.ProgramSpec, or any spec with
+    `nodes` and `constants`) reach has at least `vocab_size` rows; the ids are the placeholder named `input_ids` in
+    spec.inputs, or the placeholders named in `id_placeholders`."""
+    if id_placeholders is None:
+        placeholders = [node.name for node in spec.nodes if node.kind == "placeholder"]
+        ids = {placeholders[spec.inputs.index("input_ids")]}
+    else:
+        ids = set(id_placeholders)
     by_name = {node.name: node for node in spec.nodes}
     for node in spec.nodes:
         if node.kind != "call_function":

@@ -45,8 +45,9 @@ def _source_files(model: torch.nn.Module) -> list[str]:
     return sorted(f for f in files if f)
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Everything about a model that decides its captured graph: code, config, weights and mode."""
+def model_fingerprint(model: torch.nn.Module, hash_tensor=tensor_hash) -> str:
+    """Everything about a model that decides its captured graph: code, config, weights and mode. `hash_tensor` is
+    tensor_hash, or a memo of it (the compile cache keeps one, so weights hashed here are not hashed again)."""
     digest = hashlib.sha256()
     for path in _source_files(model):
         digest.update(Path(path).name.encode())
@@ -64,7 +65,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         t = state[name]
         identity = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if identity not in seen:  # tied weights are hashed once
-            seen[identity] = tensor_hash(t)
+            seen[identity] = hash_tensor(t)
         digest.update(f"{name}|{tuple(t.stride())}|{seen[identity]}".encode())
     return digest.hexdigest()[:32]
 

@@ -1,6 +1,7 @@
 """ttftc's on-disk compile cache: compiled bucket graphs and bucketing plans, shared across processes.
 
-    root/entries/<key>.json       one compiled graph (after passes and lowering), see graph_format.py
+    root/entries/<key>.json       one compiled graph (after passes and lowering), see graph_format.py; or the
+                                  variants of one dynamic-shape graph of the KV path (dynamic_graphs.py)
     root/plans/<key>.json         one bucketing plan
     root/blobs/<sha256>.safetensors  one constant tensor, named by the hash of its content
 
@@ -83,7 +84,7 @@ class CompileCache:
         # Hashing the weights is the expensive part of a key; a model is hashed once per cache object.
         held = self._fingerprints.get(id(model))
         if held is None or held[0] is not model:
-            held = (model, model_fingerprint(model))
+            held = (model, model_fingerprint(model, self._hash))
             self._fingerprints[id(model)] = held
         return held[1]
 

@@ -11,9 +11,10 @@ graph from the shortest bucket up (a bucket is used from the moment that graph i
 `PrefillEngine.use_bucket_graphs`), then the batched graphs, which only matter once several cold prompts of one
 bucket arrive together. Then the KV path, warmed on an engine
 of its own, which the serving engine swaps in for the eager model. One progress line per bucket and one for the
-KV path go to `on_progress` (and to this module's logger); a bucket's line says whether its graphs were "loaded"
-from the compile cache or "compiled" by this process. `warm` turns True once nothing is left to compile: every
-graph the server will use is in place (a graph that failed is not used, its prompts run on the KV path).
+KV path go to `on_progress` (and to this module's logger); each says whether its graphs were "loaded" from the
+compile cache or "compiled" by this process (the KV path's, with its counts, when its backend is given). `warm` turns
+True once nothing is left to compile: every graph the server will use is in place (a graph that failed is not used,
+its prompts run on the KV path).
 
 Sharing the model with the engine thread. Tracing reads the model's attention implementation, which the engine's
 batched decode switches for the length of one forward; both hold `engine.attention_lock` for that, and the engine
@@ -41,6 +42,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ttftc.bucketed import BucketedModel
+from ttftc.dynamo_backend import TtftcBackend
 from ttftc.runtime.engine import PrefillEngine
 from ttftc.runtime.prefix_cache import PRIVATE
 from ttftc.runtime.sampling import GREEDY
@@ -121,10 +123,12 @@ class BackgroundCompile:
 
     def __init__(self, engine: PrefillEngine, *, prefill: Optional[BucketedModel], kv_model: Optional[torch.nn.Module],
                  expected_buckets: Sequence[int] = (),
-                 on_progress: Optional[Progress] = None, notes: Optional[list] = None):
+                 on_progress: Optional[Progress] = None, notes: Optional[list] = None,
+                 kv_backend: Optional[TtftcBackend] = None):
         self.engine = engine
         self.prefill = prefill
         self.kv_model = kv_model
+        self.kv_backend = kv_backend  # kv_model's backend, which counts the graphs it compiled and loaded
         self.on_progress = on_progress
         self.notes = notes if notes is not None else []
         self.buckets_total = len(expected_buckets) if prefill is not None else 0
@@ -239,7 +243,7 @@ class BackgroundCompile:
         return ready_how(self.prefill.graphs_compiled - compiled_before)
 
     def _compile_kv_path(self) -> None:
-        started = time.perf_counter()
+        started, counted = time.perf_counter(), self._kv_graphs()
         serving = self.engine
         try:
             warm = PrefillEngine(self.kv_model, batched_decode=False)  # no cache, no ragged decode: shares nothing
@@ -253,7 +257,19 @@ class BackgroundCompile:
             return  # stopped: the engine is closing
         serving.model = self.kv_model  # the engine thread's next forward on the KV path runs it
         self.kv_path = "compiled"
-        self._progress(f"KV path compiled in {time.perf_counter() - started:.1f} s")
+        self._progress(f"KV path {self._kv_how(counted, started)}")
+
+    def _kv_graphs(self) -> tuple[int, int]:
+        backend = self.kv_backend
+        return (len(backend.reports), backend.graphs_loaded) if backend is not None else (0, 0)
+
+    def _kv_how(self, before: tuple[int, int], started: float) -> str:
+        """"compiled in 3.1 s" or "loaded in ..." (`ready_how`), with the graph counts when the backend is known."""
+        took = f"in {time.perf_counter() - started:.1f} s"
+        if self.kv_backend is None:
+            return f"compiled {took}"
+        compiled, loaded = (now - then for now, then in zip(self._kv_graphs(), before))
+        return f"{ready_how(compiled)} {took} ({compiled} graphs compiled, {loaded} loaded from the compile cache)"
 
     def _progress(self, line: str, level: int = logging.INFO) -> None:
         log.log(level, "%s", line)
