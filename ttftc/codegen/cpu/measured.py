@@ -16,8 +16,8 @@ Environment overrides (TTFTC_NATIVE_BF16, TTFTC_CPU_GEMM) are answered before a 
 
 `prefer` is the one near-tie rule every choice uses: within NEAR_TIE of the fastest, a fixed order decides.
 
-A choice measured while other processes kept the cores busy is provisional. On 2 shared cores, oneDNN's and
-OpenMP's kernels slowed 5-25x under contention while ttftc's own kernel did not, so such a record names the
+A choice measured while other processes kept the cores busy is provisional. On 2 shared cores, the int8 GEMMs
+of oneDNN and ATen slowed 65-69x (fp32 12x) while ttftc's own kernel slowed 4.4x, so such a record names the
 kernel that copes best with a crowd, not the fastest one (benchmarks/README.md, "Measured choices under load").
 Each record says how busy the other processes kept the CPU while it was measured (`others_busy`, in cores, from
 /proc/stat); a process that finds a busy record on a quiet machine measures again and replaces it. A busy record
