@@ -197,13 +197,18 @@ class TtftcBackend:
         # Dynamo calls what its backend returns with unpacked arguments (boxing is AOTAutograd's convention).
         return lambda *args: run(list(args))
 
-    def _compile_frozen(self, aten_gm: fx.GraphModule, inputs: FlatInputs, num_aot_inputs: int) -> Callable:
+    def _freeze(self, aten_gm: fx.GraphModule, inputs: FlatInputs, num_aot_inputs: int) -> tuple[list[int], list[str]]:
+        """Freeze the weights into `aten_gm`; (the inputs it still reads, the notes for its report)."""
         live, note = freeze_weights(aten_gm, inputs, num_aot_inputs)
         notes = [note] if note else []
         mismatch = _device_mismatch(self.config, inputs)
         if mismatch:
-            warnings.warn(mismatch, stacklevel=2)
+            warnings.warn(mismatch, stacklevel=3)
             notes.append(mismatch)
+        return live, notes
+
+    def _compile_frozen(self, aten_gm: fx.GraphModule, inputs: FlatInputs, num_aot_inputs: int) -> Callable:
+        live, notes = self._freeze(aten_gm, inputs, num_aot_inputs)
         self.reports.append(run_pipeline(aten_gm, self.config, autotune_cache=self.autotune_cache, notes=notes))
         self.graph_modules.append(aten_gm)
         if self.on_lowered is not None:

@@ -30,8 +30,8 @@ import torch.fx as fx
 from ttftc.capture import GraphDescription, GuardError, check_guards
 from ttftc.cache.graph_calls import (SYMINT, TENSOR, GraphFormatError, Produces, Ref, check_call, encode_target,
                                      resolve_target, tuned_target)
-from ttftc.cache.graph_format import (_ConstantSpec, _NodeSpec, _bind, _decode_arg, _dense, _encode_arg, _identifier,
-                                      _parse_constants, _restride, graph_constants)
+from ttftc.cache.graph_format import (_ConstantSpec, _NodeSpec, _decode_arg, _dense, _encode_arg, _identifier,
+                                      _parse_constants, build_graph_module, graph_constants)
 from ttftc.cache.graph_vocab import check_embedding_rows
 from ttftc.cache.schema import SchemaError, as_dict, as_int, as_list
 
@@ -56,23 +56,7 @@ class DynamicSpec(NamedTuple):
     dynamic_dims: tuple  # per output: the dims AOTAutograd marked dynamic, or None
 
     def build(self) -> fx.GraphModule:
-        root = torch.nn.Module()
-        for name, constant in self.constants.items():
-            root.register_buffer(name, _restride(constant.tensor, tuple(constant.tensor.shape), constant.stride),
-                                 persistent=False)
-        graph = fx.Graph()
-        env: dict[str, fx.Node] = {}
-        for spec in self.nodes:
-            if spec.kind == "placeholder":
-                node = graph.placeholder(spec.name)
-            elif spec.kind == "get_attr":
-                node = graph.get_attr(spec.target)
-            elif spec.kind == "call_function":
-                node = graph.call_function(spec.target, _bind(spec.args, env), _bind(spec.kwargs, env))
-            else:
-                node = graph.output(_bind(spec.args, env))
-            env[spec.name] = node
-        return fx.GraphModule(root, graph)
+        return build_graph_module(self.constants, self.nodes, lambda args: args)
 
 
 def encode_dynamic(gm: fx.GraphModule, live_inputs: tuple[int, ...], guards: list, dynamic_dims: tuple,

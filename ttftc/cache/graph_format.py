@@ -278,23 +278,30 @@ class ProgramSpec(NamedTuple):
     constants: Mapping[str, _ConstantSpec]
 
     def build(self) -> GraphProgram:
-        root = torch.nn.Module()
-        for name, constant in self.constants.items():
-            tensor = _restride(constant.tensor, tuple(constant.tensor.shape), constant.stride)
-            root.register_buffer(name, tensor, persistent=False)
-        graph = fx.Graph()
-        env: dict[str, fx.Node] = {}
-        for spec in self.nodes:
-            if spec.kind == "placeholder":
-                node = graph.placeholder(spec.name)
-            elif spec.kind == "get_attr":
-                node = graph.get_attr(spec.target)
-            elif spec.kind == "call_function":
-                node = graph.call_function(spec.target, _bind(spec.args, env), _bind(spec.kwargs, env))
-            else:
-                node = graph.output(_bind(spec.args[0], env))
-            env[spec.name] = node
-        return GraphProgram(self.signature, fx.GraphModule(root, graph), self.inputs, self.outputs)
+        gm = build_graph_module(self.constants, self.nodes, lambda args: args[0])
+        return GraphProgram(self.signature, gm, self.inputs, self.outputs)
+
+
+def build_graph_module(constants: dict, nodes, output_value: Callable[[Any], Any]) -> fx.GraphModule:
+    """The GraphModule of checked node specs: constants as buffers in their stored strides, each node built from
+    its allow-listed target; `output_value` picks what the output node returns from its stored args."""
+    root = torch.nn.Module()
+    for name, constant in constants.items():
+        root.register_buffer(name, _restride(constant.tensor, tuple(constant.tensor.shape), constant.stride),
+                             persistent=False)
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for spec in nodes:
+        if spec.kind == "placeholder":
+            node = graph.placeholder(spec.name)
+        elif spec.kind == "get_attr":
+            node = graph.get_attr(spec.target)
+        elif spec.kind == "call_function":
+            node = graph.call_function(spec.target, _bind(spec.args, env), _bind(spec.kwargs, env))
+        else:
+            node = graph.output(_bind(output_value(spec.args), env))
+        env[spec.name] = node
+    return fx.GraphModule(root, graph)
 
 
 def _parse_constants(data: Any, load_constant: Callable[[str], torch.Tensor],

@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch.fx as fx
 
-from ttftc.capture import FlatInputs, freeze_weights
-from ttftc.dynamo_backend import LoweredGraph, TtftcBackend, _boxed, _device_mismatch
+from ttftc.capture import FlatInputs
+from ttftc.dynamo_backend import LoweredGraph, TtftcBackend, _boxed
 from ttftc.fx_utils import copy_graph
 from ttftc.pipeline import run_pipeline
 from ttftc.regions.compile import RegionStats, compile_regions
@@ -28,12 +28,7 @@ class RegionalBackend(TtftcBackend):
         self.region_stats: list[RegionStats] = []
 
     def _compile_frozen(self, aten_gm: fx.GraphModule, inputs: FlatInputs, num_aot_inputs: int) -> Callable:
-        live, note = freeze_weights(aten_gm, inputs, num_aot_inputs)
-        notes = [note] if note else []
-        mismatch = _device_mismatch(self.config, inputs)
-        if mismatch:
-            warnings.warn(mismatch, stacklevel=2)
-            notes.append(mismatch)
+        live, notes = self._freeze(aten_gm, inputs, num_aot_inputs)
         saved = (copy_graph(aten_gm.graph), dict(aten_gm._buffers), dict(aten_gm._modules))
         try:
             report, stats = compile_regions(aten_gm, self.config, autotune_cache=self.autotune_cache, notes=notes)
