@@ -31,7 +31,8 @@ from ttftc.capture import GraphDescription, GuardError, check_guards
 from ttftc.cache.graph_calls import (SYMINT, TENSOR, GraphFormatError, Produces, Ref, check_call, encode_target,
                                      resolve_target, tuned_target)
 from ttftc.cache.graph_format import (_ConstantSpec, _NodeSpec, _decode_arg, _dense, _encode_arg, _identifier,
-                                      _parse_constants, build_graph_module, graph_constants)
+                                      _parse_constants, build_graph_module, graph_constants,
+                                      node_kind_and_name)
 from ttftc.cache.graph_vocab import check_embedding_rows
 from ttftc.cache.schema import SchemaError, as_dict, as_int, as_list
 
@@ -132,15 +133,7 @@ def _parse_nodes(data: Any, constants: Mapping[str, _ConstantSpec], kinds: list[
     produced: dict[str, Produces] = {}
     placeholders = 0
     for i, entry in enumerate(entries):
-        kind = entry.get("op")
-        if kind not in _NODE_FIELDS or set(entry) != _NODE_FIELDS[kind]:
-            raise GraphFormatError(f"nodes[{i}] must be a placeholder, get_attr, call_function or output node with "
-                                   f"exactly its fields, got op {kind!r} with fields {sorted(entry)}"[:300])
-        if nodes and nodes[-1].kind == "output":
-            raise GraphFormatError(f"nodes[{i}] follows the output node")
-        name = _identifier(entry["name"], f"nodes[{i}] name")
-        if name in produced:
-            raise GraphFormatError(f"node name {name} is used twice")
+        kind, name = node_kind_and_name(i, entry, nodes, produced, _NODE_FIELDS)
         if kind == "placeholder":
             if placeholders >= len(kinds) or any(n.kind == "call_function" for n in nodes):
                 raise GraphFormatError(f"nodes[{i}]: placeholders precede every call, one per stored input "

@@ -345,20 +345,28 @@ def _parse_call(entry: dict, produced: dict[str, Produces], device_type: str) ->
     return _NodeSpec("call_function", name, callee.target, args, kwargs)
 
 
+def node_kind_and_name(i: int, entry: dict, nodes: list, produced: Mapping[str, Any],
+                       fields: Mapping[str, set] = _NODE_FIELDS) -> tuple[str, str]:
+    """The op and name of stored node `i`, checked: a known op with exactly its `fields`, nothing after the output
+    node, a fresh identifier."""
+    kind = entry.get("op")
+    if kind not in fields or set(entry) != fields[kind]:
+        raise GraphFormatError(f"nodes[{i}] must be a placeholder, get_attr, call_function or output node with "
+                               f"exactly its fields, got op {kind!r} with fields {sorted(entry)}"[:300])
+    if nodes and nodes[-1].kind == "output":
+        raise GraphFormatError(f"nodes[{i}] follows the output node")
+    name = _identifier(entry["name"], f"nodes[{i}] name")
+    if name in produced:
+        raise GraphFormatError(f"node name {name} is used twice")
+    return kind, name
+
+
 def _parse_nodes(data: Any, constants: Mapping[str, _ConstantSpec], inputs: tuple[str, ...],
                  outputs: tuple[str, ...], device_type: str) -> tuple[_NodeSpec, ...]:
     nodes: list[_NodeSpec] = []
     produced: dict[str, Produces] = {}  # what each node defined so far produces
     for i, entry in enumerate(as_list(data, "nodes", lambda v, w: as_dict(v, w))):
-        kind = entry.get("op")
-        if kind not in _NODE_FIELDS or set(entry) != _NODE_FIELDS[kind]:
-            raise GraphFormatError(f"nodes[{i}] must be a placeholder, get_attr, call_function or output node with "
-                                   f"exactly its fields, got op {kind!r} with fields {sorted(entry)}"[:300])
-        if nodes and nodes[-1].kind == "output":
-            raise GraphFormatError(f"nodes[{i}] follows the output node")
-        name = _identifier(entry["name"], f"nodes[{i}] name")
-        if name in produced:
-            raise GraphFormatError(f"node name {name} is used twice")
+        kind, name = node_kind_and_name(i, entry, nodes, produced)
         if kind == "placeholder":
             nodes.append(_NodeSpec(kind, name))
         elif kind == "get_attr":
